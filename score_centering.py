@@ -1,0 +1,140 @@
+"""Score centering: a drift-free policy-gradient loss for RL whose sampler's numerics differ from the trainer.
+
+Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning", arXiv 2609.20807 (2026).
+"""
+# The derivation, one step per number; the last step is the line of code that follows it.
+# Notation: prefix h (the prompt and the tokens before t); trainer p(v) = p_θ(v | h); sampler q(v) = q(v | h);
+# score s_v = ∇_θ log p(v); A the rollout's advantage; z the trainer's logits, ∇_z log p(v) = e_v − p.
+#
+# 1. The sampler q generates the rollouts, so REINFORCE estimates the policy gradient with one term per
+#    generated token: g = A · s_y, y ~ q.
+# 2. Zero-mean score lemma: Σ_v p(v) s_v = ∇_θ Σ_v p(v) = ∇_θ 1 = 0. On-policy (y ~ p), anything in A that
+#    does not depend on y (a baseline, a constant reward) adds nothing to the expected gradient.
+# 3. Off-policy the lemma fails: E_{y~q}[s_y] = Σ_v q(v) s_v =: s̄_q ≠ 0. In logit space s̄_q = q − p,
+#    which is −∇_z CE(q, p): the direction that distils p toward q.
+# 4. Split the expected update at one prefix: E_q[A s_y] = E_q[A | h] · s̄_q + Cov_q(A, s_y).
+#    The first term is drift: it carries no reward information, vanishes only when q = p, and follows the
+#    sign of the prefix's mean advantage (positive pulls p toward q, negative pushes it away).
+#    The second term is the signal.
+# 5. Drift accumulates. After each step the sampler is rebuilt from the new trainer weights and comes out
+#    biased the same way again (same quantiser, same noise), so the trainer chases a target that moves
+#    with it: a walk without bound. A frozen sampler is a fixed target: drift distils p onto q, then stops.
+# 6. A group-mean baseline (GRPO) makes the group's mean advantage zero, not E_q[A | h] at every prefix of
+#    every sequence, so drift survives it in sequences. (In a one-step bandit it vanishes in expectation.)
+# 7. Score centering subtracts the sampler-expected score from every token's score:
+#    s̃_y = s_y − Σ_v q(v) s_v. Then E_q[s̃_y] = 0 and E_q[A s̃_y] = Cov_q(A, s_y): drift gone, signal kept.
+#    In logit space the centred score is e_y − q instead of e_y − p.
+# 8. As a loss per trained token, with sg = stop-gradient (q is data and is never differentiated):
+#    ℓ_t = −sg(A) · [log p(y_t) − Σ_v sg(q(v)) · log p(v)].
+#    The batch loss is the token mean, the sum over trained tokens divided by their number, so every token
+#    weighs the same whatever its sequence's length (a per-sequence mean or a sum would only rescale terms).
+# 9. A token-level importance weight w_v = f(p(v) / q(v)) (detached) re-weights each score; centre the
+#    weighted score: ℓ_t = −sg(A) · [sg(w_y) log p(y) − Σ_v sg(m_v) log p(v)], effective mass m = q · w.
+#    Truncated IS, f(r) = min(r, C), gives m = min(p, C · q), computed in log space. Untruncated IS gives
+#    m = p and the term vanishes by step 2: full IS is drift-free already, at the price of its variance.
+# 10. Top-k: q over a 151k vocabulary at every token is too big to keep, so the sampler records its head H
+#    (top-k ids and their log q, normalised over the full vocabulary). Model the tail as proportional to
+#    the trainer, q̂(v) = ρ p(v) off H, with ρ = max(1 − Σ_H q, ε) / max(1 − Σ_H p, ε), ε = 1e-6. By step 2
+#    the tail's score sum is minus the head's, so Σ_v q̂(v) s_v = Σ_{v∈H} (q(v) − ρ p(v)) s_v: the
+#    correction touches only k logits. With IS the tail's ratio p / q̂ = 1/ρ is constant, its effective
+#    mass is α p with α = ρ f(1/ρ), and each head coefficient is c_v = sg(m_v − α p(v)). When H is the
+#    whole vocabulary the tail is empty and any α gives the exact formula: one code path serves both.
+# 11. So each trained token contributes −sg(A) · [sg(w_y) log p(y) − Σ_{v∈H} c_v log p(v)], whose
+#    gradient in logit space is −A · [w_y (e_y − p) − Σ_H c_v (e_v − p)]; without IS and with H = V this
+#    is −A · (e_y − q). `center=False` drops the sum: plain (optionally truncated-IS) REINFORCE. The value
+#    also gets sg(α H(p)) (H the entropy, zero gradient), so it equals step 9's with q̂: Σ_v m̂_v log p(v).
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+EPS = 1e-6  # floor of the tail masses in the top-k model (step 10)
+
+
+def _check(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs, center, tis_cap):
+    """Raise ValueError on inconsistent shapes, ids or options; runs at trace time, before any compute."""
+    if logits.ndim != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {logits.shape}")
+    B, T, V = logits.shape
+    for name, x in (("tokens", tokens), ("mask", mask), ("sampler_logprobs", sampler_logprobs)):
+        if x.shape != (B, T):
+            raise ValueError(f"{name} must be [B, T] = {(B, T)} like logits {logits.shape}, got {x.shape}")
+    if advantages.shape not in ((B,), (B, T)):
+        raise ValueError(f"advantages must be [B] = {(B,)} or [B, T] = {(B, T)}, got {advantages.shape}")
+    if head_ids is None and head_logprobs is not None and head_logprobs.shape != (B, T, V):
+        raise ValueError(f"head_logprobs without head_ids must be the full sampler log-softmax [B, T, V] = "
+                         f"{(B, T, V)}, got {head_logprobs.shape}; pass head_ids for a top-k head")
+    if head_ids is not None:
+        if head_logprobs is None:
+            raise ValueError("head_ids given without head_logprobs: pass the sampler's log q at head_ids")
+        if head_ids.ndim != 3 or head_ids.shape[:2] != (B, T) or head_logprobs.shape != head_ids.shape:
+            raise ValueError(f"head_ids and head_logprobs must both be [B, T, K] with B, T = {(B, T)}, got "
+                             f"head_ids {head_ids.shape} and head_logprobs {head_logprobs.shape}")
+    if center and head_logprobs is None:
+        raise ValueError("center=True needs the sampler's distribution: pass head_ids and head_logprobs "
+                         "(top-k) or head_logprobs alone (full [B, T, V] log-softmax, exact centring)")
+    if tis_cap is not None and not tis_cap > 0:
+        raise ValueError(f"tis_cap must be a positive number (the truncation C of w = min(p/q, C)), "
+                         f"got {tis_cap}; use None for no importance weight")
+    for name, ids in (("tokens", tokens), ("head_ids", head_ids)):
+        if ids is None:
+            continue
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+        if isinstance(ids, jax.core.Tracer) or not ids.size:  # values unknown under jit: see _gather
+            continue
+        lo, hi = int(np.asarray(ids).min()), int(np.asarray(ids).max())
+        if lo < 0 or hi >= V:
+            raise ValueError(f"{name} {ids.shape} holds ids in [{lo}, {hi}], outside [0, V) for logits "
+                             f"{logits.shape}")
+
+
+def _gather(logp, ids):  # out-of-range ids (only visible under jit) give NaN, never a silent wrap or clamp
+    return jnp.take_along_axis(logp, ids, -1, mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
+
+
+def loss(logits, tokens, mask, advantages, sampler_logprobs, head_ids=None, head_logprobs=None,
+         *, center=True, tis_cap=None):
+    """Token-mean policy-gradient loss with optional score centering and truncated importance sampling.
+
+    logits [B, T, V] trainer logits at the positions that predicted `tokens` [B, T]; mask [B, T] (True =
+    trained); advantages [B] or [B, T] (a constant); sampler_logprobs [B, T] = log q(tokens);
+    head_ids, head_logprobs [B, T, K]: the sampler's top-k ids and log q (normalised over the full
+    vocabulary), or head_ids=None and head_logprobs [B, T, V] = the full sampler log-softmax (exact).
+    Returns (loss, metrics). Ids outside [0, V) raise ValueError on concrete inputs and give NaN under jit.
+    """
+    _check(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs, center, tis_cap)
+    f32 = jnp.float32
+    logp = jax.nn.log_softmax(logits.astype(f32), axis=-1)                       # [B, T, V]
+    logp_y = _gather(logp, tokens[..., None])[..., 0]                             # [B, T]
+    logq_y = sampler_logprobs.astype(f32)
+    A = advantages.astype(f32)
+    A = A[:, None] if A.ndim == 1 else A
+    mask = mask.astype(bool)
+    n = jnp.maximum(mask.sum(), 1).astype(f32)
+    mean = lambda x: jnp.where(mask, x, 0.0).sum() / n  # noqa: E731  (token mean; masked NaNs cannot leak)
+
+    log_ratio = jax.lax.stop_gradient(logp_y - logq_y)                          # log p(y)/q(y)
+    w_y = 1.0 if tis_cap is None else jnp.exp(jnp.minimum(log_ratio, jnp.log(tis_cap)))
+    score = w_y * logp_y                                                          # sg(w_y) log p(y)
+    entropy = jax.lax.stop_gradient(-(jnp.exp(logp) * logp).sum(-1))            # [B, T]
+    metrics = dict(kl_q_p=mean(-log_ratio), logprob_gap=mean(jnp.abs(log_ratio)), entropy=mean(entropy))
+    if tis_cap is not None:
+        metrics["tis_capped"] = mean((log_ratio >= jnp.log(tis_cap)).astype(f32))
+
+    if head_logprobs is not None:
+        logq_H = head_logprobs.astype(f32)                                        # [B, T, K]
+        logp_H = logp if head_ids is None else _gather(logp, head_ids)            # [B, T, K]
+        sg_logp_H = jax.lax.stop_gradient(logp_H)
+        q_mass, p_mass = jnp.exp(logq_H).sum(-1), jnp.exp(sg_logp_H).sum(-1)      # [B, T]
+        rho = jnp.maximum(1 - q_mass, EPS) / jnp.maximum(1 - p_mass, EPS)        # tail: q̂ = ρ p off H
+        if tis_cap is None:                                                  # m = q, α = ρ
+            m_H, alpha = jnp.exp(logq_H), rho
+        else:                                                                # m = min(p, Cq), α = min(1, Cρ)
+            m_H = jnp.exp(jnp.minimum(sg_logp_H, jnp.log(tis_cap) + logq_H))
+            alpha = jnp.minimum(1.0, tis_cap * rho)
+        c_H = m_H - alpha[..., None] * jnp.exp(sg_logp_H)                         # [B, T, K], step 10
+        metrics.update(head_mass_q=mean(q_mass), head_mass_p=mean(p_mass),
+                       correction=mean(jnp.abs(c_H).sum(-1)))
+        if center:  # step 11; −α H(p) has no gradient, it makes the value Σ_v m̂_v log p(v) exactly
+            score = score - (c_H * logp_H).sum(-1) + alpha * entropy
+    return -mean(A * score), metrics
