@@ -799,3 +799,12 @@ def test_bad_flags_fail_at_once(argv, match, capsys):
     with pytest.raises(SystemExit):
         train.parse_args(argv)
     assert match in capsys.readouterr().err
+
+
+def test_readme_use_it_in_your_codebase_snippet_runs(capsys):
+    text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read()
+    code = text.split("## Use it in your codebase")[1].split("```python\n")[1].split("```")[0]
+    ns = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    assert capsys.readouterr().out.startswith("loss ")
+    assert _finite((ns["loss"], ns["metrics"], ns["grads"])) and set(ns["metrics"]) >= {"kl_q_p", "tis_capped"}
