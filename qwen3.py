@@ -29,8 +29,8 @@ def init_kv(cfg, B, S, dtype=jnp.float32):  # position -1 marks an empty slot
     shape = (cfg['num_hidden_layers'], B, S, cfg['num_key_value_heads'], cfg['head_dim'])
     return dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), pos=jnp.full((B, S), -1, jnp.int32))
 
-def forward(cfg, w, tokens, pos, kv=None, t0=0, *, mm=jnp.einsum, dtype=jnp.float32, last_only=False):
-    """Logits float32 [B, T, V] ([B, 1, V] for the last position when last_only) and the updated kv.
+def forward(cfg, w, tokens, pos, kv=None, t0=0, *, mm=jnp.einsum, dtype=jnp.float32, last=None):
+    """Logits float32 [B, T, V] (or [B, last, V] for the last `last` positions) and the updated kv.
 
     tokens [B, T]; pos [B, T] their positions, < 0 for padding. A query at position p sees keys at 0..p.
     With kv, this call's keys, values and positions are written at [t0, t0 + T) and the queries attend over
@@ -42,18 +42,18 @@ def forward(cfg, w, tokens, pos, kv=None, t0=0, *, mm=jnp.einsum, dtype=jnp.floa
     x = w['embed'][tokens].astype(dtype)  # [B, T, D]
 
     @jax.checkpoint  # recompute the layer in the backward pass instead of storing its activations
-    def layer(x, xs):
-        lw, ck, cv = xs
+    def layer(carry, xs):
+        (x, kv), (lw, i) = carry, xs
         lw = jax.tree.map(lambda a: a.astype(dtype), lw)
         # attention: q and k get their own RMSNorm, before RoPE (Qwen3's QK-norm)
         h = rms_norm(x, lw['attn_norm'], eps)
         q = rope(rms_norm(mm('btd,dnh->btnh', h, lw['q']), lw['q_norm'], eps), pos, theta)
         k = rope(rms_norm(mm('btd,dkh->btkh', h, lw['k']), lw['k_norm'], eps), pos, theta)
         v = mm('btd,dkh->btkh', h, lw['v'])
-        if ck is not None:  # write this call's keys and values into the cache, then attend over all of it
-            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, t0, 0, 0))
-            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, t0, 0, 0))
-            k, v = ck.astype(dtype), cv.astype(dtype)
+        if kv is not None:  # write this call's keys and values into layer i of the cache, attend over all
+            write = lambda c, a: jax.lax.dynamic_update_slice(c, a[None].astype(c.dtype), (i, 0, t0, 0, 0))
+            kv = dict(kv, k=write(kv['k'], k), v=write(kv['v'], v))  # in place: the cache is a scan carry
+            k, v = kv['k'][i].astype(dtype), kv['v'][i].astype(dtype)
         b, t, n, _ = q.shape
         q = q.reshape(b, t, k.shape[2], n // k.shape[2], H)  # [B, T, K, G, H]: G query heads share a kv head
         s = jnp.einsum('btkgh,bskh->bkgts', q, k, preferred_element_type=jnp.float32) * H**-0.5
@@ -63,12 +63,13 @@ def forward(cfg, w, tokens, pos, kv=None, t0=0, *, mm=jnp.einsum, dtype=jnp.floa
         # MLP
         h = rms_norm(x, lw['mlp_norm'], eps)
         h = jax.nn.silu(mm('btd,df->btf', h, lw['gate'])) * mm('btd,df->btf', h, lw['up'])
-        return x + mm('btf,fd->btd', h, lw['down']), (ck, cv)
-    x, (ck, cv) = jax.lax.scan(layer, x, (w['layers'], *((None, None) if kv is None else (kv['k'], kv['v']))))
-    x = rms_norm(x[:, -1:] if last_only else x, w['norm'], eps)
+        return (x + mm('btf,fd->btd', h, lw['down']), kv), None
+    kv = None if kv is None else dict(kv, pos=kpos)
+    (x, kv), _ = jax.lax.scan(layer, (x, kv), (w['layers'], jnp.arange(cfg['num_hidden_layers'])))
+    x = rms_norm(x if last is None else x[:, -last:], w['norm'], eps)
     head = w['embed'] if cfg.get('tie_word_embeddings') else w['lm_head']
     logits = mm('btd,vd->btv', x, head.astype(dtype)).astype(jnp.float32)
-    return logits, None if kv is None else dict(k=ck, v=cv, pos=kpos)
+    return logits, kv
 
 # ---- loading: config.json, safetensors read with numpy, tokenizer through tiktoken
 Model = namedtuple('Model', 'cfg weights tokenizer path')  # tokenizer: None when the directory has none

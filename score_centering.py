@@ -103,28 +103,29 @@ def loss(logits, tokens, mask, advantages, sampler_logprobs, head_ids=None, head
     Returns (loss, metrics). Ids outside [0, V) raise ValueError on concrete inputs and give NaN under jit.
     """
     _check(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs, center, tis_cap)
-    f32 = jnp.float32
-    logp = jax.nn.log_softmax(logits.astype(f32), axis=-1)                       # [B, T, V]
+    f32, sg, mask = jnp.float32, jax.lax.stop_gradient, mask.astype(bool)
+    # inputs at masked tokens may be garbage (NaN, inf): zeroed first, so that no value or gradient sees them
+    keep = lambda x: jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 2)), x, 0)  # noqa: E731
+    logp = jax.nn.log_softmax(keep(logits.astype(f32)), axis=-1)                 # [B, T, V]
     logp_y = _gather(logp, tokens[..., None])[..., 0]                             # [B, T]
-    logq_y = sampler_logprobs.astype(f32)
-    A = advantages.astype(f32)
-    A = A[:, None] if A.ndim == 1 else A
-    mask = mask.astype(bool)
+    logq_y = sg(keep(sampler_logprobs.astype(f32)))
+    A = sg(advantages.astype(f32))                                                # a constant
+    A = keep(A[:, None] if A.ndim == 1 else A)
     n = jnp.maximum(mask.sum(), 1).astype(f32)
-    mean = lambda x: jnp.where(mask, x, 0.0).sum() / n  # noqa: E731  (token mean; masked NaNs cannot leak)
+    mean = lambda x: jnp.where(mask, x, 0.0).sum() / n  # noqa: E731  (the token mean)
 
-    log_ratio = jax.lax.stop_gradient(logp_y - logq_y)                          # log p(y)/q(y)
+    log_ratio = sg(logp_y - logq_y)                                               # log p(y)/q(y)
     w_y = 1.0 if tis_cap is None else jnp.exp(jnp.minimum(log_ratio, jnp.log(tis_cap)))
     score = w_y * logp_y                                                          # sg(w_y) log p(y)
-    entropy = jax.lax.stop_gradient(-(jnp.exp(logp) * logp).sum(-1))            # [B, T]
+    entropy = sg(-(jnp.exp(logp) * logp).sum(-1))                                 # [B, T]
     metrics = dict(kl_q_p=mean(-log_ratio), logprob_gap=mean(jnp.abs(log_ratio)), entropy=mean(entropy))
     if tis_cap is not None:
         metrics["tis_capped"] = mean((log_ratio >= jnp.log(tis_cap)).astype(f32))
 
     if head_logprobs is not None:
-        logq_H = head_logprobs.astype(f32)                                        # [B, T, K]
+        logq_H = sg(keep(head_logprobs.astype(f32)))                              # [B, T, K]
         logp_H = logp if head_ids is None else _gather(logp, head_ids)            # [B, T, K]
-        sg_logp_H = jax.lax.stop_gradient(logp_H)
+        sg_logp_H = sg(logp_H)
         q_mass, p_mass = jnp.exp(logq_H).sum(-1), jnp.exp(sg_logp_H).sum(-1)      # [B, T]
         rho = jnp.maximum(1 - q_mass, EPS) / jnp.maximum(1 - p_mass, EPS)        # tail: q̂ = ρ p off H
         if tis_cap is None:                                                  # m = q, α = ρ

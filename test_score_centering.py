@@ -1,5 +1,5 @@
 """All tests: CPU only, no network, seconds to a minute. Each checks a mathematical property or an independent
-reference (an exact enumeration, a closed form, Hugging Face's implementation), never the code's own output."""
+reference (exact enumeration, a closed form, Hugging Face's implementation), never the code's own output."""
 import base64, importlib.util, json, os, shutil, sys, unicodedata
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
@@ -131,7 +131,8 @@ def test_topk_multi_token_tail_equals_exact_formula_on_modelled_q(cap):
     w_y = w(np.exp(np.take_along_axis(logp - logq, y[..., None], -1)[..., 0]))
     y_hot = np.eye(z.shape[-1])[y]
     value = -(A[:, None] * (w_y * (logp * y_hot).sum(-1) - (m_hat * logp).sum(-1)))[mask].sum() / mask.sum()
-    grad_token = -A[:, None, None] * (w_y[..., None] * (y_hot - p) - (m_hat - m_hat.sum(-1, keepdims=True) * p))
+    centring = m_hat - m_hat.sum(-1, keepdims=True) * p
+    grad_token = -A[:, None, None] * (w_y[..., None] * (y_hot - p) - centring)
     grad = np.where(mask[..., None], grad_token, 0) / mask.sum()
     v, g = _value_grad(d, head_ids=d["ids"], head_logprobs=d["logq_H"], tis_cap=cap)
     np.testing.assert_allclose(v, value, rtol=1e-5)
@@ -149,6 +150,21 @@ def test_masked_tokens_contribute_nothing(kw):
     np.testing.assert_allclose(v2, v, rtol=1e-6)
     np.testing.assert_allclose(g2, g, atol=1e-7)
     assert float(jnp.abs(jnp.where(d["mask"][..., None], 0.0, g)).max()) == 0.0
+    # garbage (inf logits, NaN log q) at masked tokens reaches neither the value nor the gradient
+    m, nan = d["mask"], jnp.float32(jnp.nan)
+    d["logq_y"] = jnp.where(m, d["logq_y"], nan)
+    head = {k: jnp.where(m[..., None], x, nan) if k == "head_logprobs" else x for k, x in head.items()}
+    v3, g3 = _value_grad(d, logits=jnp.where(m[..., None], d["z"], jnp.inf), **head, **kw)
+    np.testing.assert_allclose(v3, v, rtol=1e-6)
+    np.testing.assert_allclose(g3, g, atol=1e-7)
+
+
+def test_advantages_and_sampler_inputs_are_constants():
+    """sg(A) and sg(q): only the logits get a gradient, whatever the caller computed A and q from."""
+    d = _batch(11)
+    f = lambda A, lq, lq_H: sc.loss(d["z"], d["y"], d["mask"], A, lq, d["ids"], lq_H, tis_cap=2.0)[0]  # noqa
+    for g in jax.grad(f, argnums=(0, 1, 2))(d["A"], d["logq_y"], d["logq_H"]):
+        assert float(jnp.abs(g).max()) == 0.0
 
 
 def test_token_mean_across_sequences_of_different_lengths():
@@ -200,8 +216,14 @@ def test_metrics_are_the_documented_quantities():
     np.testing.assert_allclose(m["kl_q_p"], gap[mask].mean(), rtol=1e-5)
     np.testing.assert_allclose(m["logprob_gap"], np.abs(gap)[mask].mean(), rtol=1e-5)
     np.testing.assert_allclose(m["entropy"], -(np.exp(logp) * logp).sum(-1)[mask].mean(), rtol=1e-5)
-    np.testing.assert_allclose(m["head_mass_q"], np.exp(np.asarray(d["logq_H"])).sum(-1)[mask].mean(), rtol=1e-5)
     np.testing.assert_allclose(m["tis_capped"], (-gap >= np.log(1.2))[mask].mean(), rtol=1e-6)
+    p_H = np.exp(np.take_along_axis(logp, np.asarray(d["ids"]), -1))
+    q_H = np.exp(np.asarray(d["logq_H"], np.float64))
+    np.testing.assert_allclose(m["head_mass_q"], q_H.sum(-1)[mask].mean(), rtol=1e-5)
+    np.testing.assert_allclose(m["head_mass_p"], p_H.sum(-1)[mask].mean(), rtol=1e-5)
+    rho = (1 - q_H.sum(-1, keepdims=True)) / (1 - p_H.sum(-1, keepdims=True))
+    c = np.minimum(p_H, 1.2 * q_H) - np.minimum(1, 1.2 * rho) * p_H  # m - α p, steps 9 and 10
+    np.testing.assert_allclose(m["correction"], np.abs(c).sum(-1)[mask].mean(), rtol=1e-4)
 
 
 def _good(B=2, T=3, V=5, K=2):
@@ -390,7 +412,7 @@ def test_kv_cache_decoding_matches_full_pass(tiny, fwd):
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=1e-5)
     assert (kv['pos'] == jnp.array([list(range(10)) + [-1, -1]] * 3)).all()
     last, _ = qwen3.forward(tiny.cfg, tiny.weights, tokens[:, :4], arange_pos(3, 4),
-                            qwen3.init_kv(tiny.cfg, 3, 12), last_only=True)
+                            qwen3.init_kv(tiny.cfg, 3, 12), last=1)
     np.testing.assert_allclose(last, full[:, 3:4], atol=1e-5)
 
 
@@ -634,7 +656,8 @@ def test_zero_mismatch_sampler_logq_equals_trainer_logp(tiny):
 
 def _policy_kl(cfg, w0, w, prompt, pos):  # mean KL(p_0 || p) of the next-token distribution on probe prompts
     lp0, lp = (jax.nn.log_softmax(qwen3.forward(cfg, x, prompt, pos)[0]) for x in (w0, w))
-    return float(jnp.where((pos >= 0)[..., None], jnp.exp(lp0) * (lp0 - lp), 0).sum(-1).sum() / (pos >= 0).sum())
+    real = (pos >= 0)[..., None]
+    return float(jnp.where(real, jnp.exp(lp0) * (lp0 - lp), 0).sum() / real.sum())
 
 
 def test_drift_on_the_real_code_path(tiny):
@@ -653,7 +676,8 @@ def test_drift_on_the_real_code_path(tiny):
         opt_state = opt.init(w)
         for i in range(20):
             prompt, pos = _prompts(tiny.tokenizer, P_ * G, seed=100 + i)
-            sw = jax.tree.map(lambda x: x.astype(jnp.float32), train.sampler_weights(w, "bf16", 0.3, noise_key))
+            sw = train.sampler_weights(w, "bf16", 0.3, noise_key)
+            sw = jax.tree.map(lambda x: x.astype(jnp.float32), sw)  # the noise is the only mismatch
             out = sample(sw, prompt, pos, jax.random.PRNGKey(i))
             batch = dict(out, prompt=prompt, pos=pos, adv=np.ones(P_ * G, np.float32))  # constant reward
             w, opt_state, m = step(w, opt_state, batch)
@@ -727,9 +751,31 @@ def test_gsm8k_gold_answers_and_malformed_lines(tmp_path):
 
 def test_group_advantages():
     args = train.parse_args(["--group", "3"])
-    np.testing.assert_allclose(train.advantage(np.array([1.0, 0, 0, 1, 1, 1]), args), [2 / 3, -1 / 3, -1 / 3, 0, 0, 0])
+    r = np.array([1.0, 0, 0, 1, 1, 1])
+    np.testing.assert_allclose(train.advantage(r, args), [2 / 3, -1 / 3, -1 / 3, 0, 0, 0])
     args = train.parse_args(["--group", "3", "--baseline", "none"])
-    np.testing.assert_allclose(train.advantage(np.array([1.0, 0, 0, 1, 1, 1]), args), [1, 0, 0, 1, 1, 1])
+    np.testing.assert_allclose(train.advantage(r, args), r)
+
+
+def test_quantisation_is_per_output_channel_of_every_weight_matmul(tiny):
+    """INPUT_AXES are the weight axes that qwen3.forward's matmuls contract; activations: per token."""
+    contracted = {}
+
+    def spy(spec, x, w):
+        w_sub, out = spec.split(",")[1].split("->")
+        contracted[w.shape] = tuple(i for i, c in enumerate(w_sub) if c not in out)
+        return jnp.einsum(spec, x, w)
+    qwen3.forward(tiny.cfg, tiny.weights, jnp.zeros((1, 3), jnp.int32), jnp.arange(3)[None], mm=spy)
+    layers = tiny.weights["layers"]
+    for k, axes in train.INPUT_AXES.items():
+        if k in layers:
+            assert contracted[layers[k].shape[1:]] == tuple(a - 1 for a in axes), k  # axis 0 is the layer
+        elif k in tiny.weights:
+            assert contracted[tiny.weights[k].shape] == axes, k
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 4, 16))  # [B, T, N, H]: per token = over N, H
+    w = jax.random.normal(jax.random.PRNGKey(1), (4, 16, 8))
+    np.testing.assert_allclose(train.quant_mm("int8")("btnh,nhd->btd", x, w),
+                               jnp.einsum("btnh,nhd->btd", train.fake_quant(x, (2, 3), "int8"), w), rtol=1e-6)
 
 
 def test_fake_quantisation_error_is_bounded():
@@ -747,7 +793,7 @@ def test_bandit_online_drift_and_frozen_sampler(capsys):
     assert off["curve"][-1] > off["curve"][99] > off["curve"][49]                  # steady, growing
     frozen = train.bandit(args, False, args.steps)
     assert 0.6 * frozen["gap"] <= frozen["drift"] <= 1.3 * frozen["gap"], (frozen["drift"], frozen["gap"])
-    assert off["drift"] >= 3 * frozen["drift"]                                       # online: far past the gap
+    assert off["drift"] >= 3 * frozen["drift"]                                  # online: far past the gap
     assert frozen["curve"][-1] - frozen["curve"][99] < 0.2 * frozen["gap"]          # frozen: it has stopped
 
 
@@ -756,7 +802,7 @@ def test_bandit_compare_prints_one_table(tmp_path, capsys):
                           "--out", str(tmp_path)])
     text = capsys.readouterr().out
     table = [line.split() for line in text.splitlines() if line.startswith(("online ", "frozen "))]
-    assert [row[:2] for row in table] == [["online", "off"], ["online", "on"], ["frozen", "off"], ["frozen", "on"]]
+    assert [row[:2] for row in table] == [[s, c] for s in ("online", "frozen") for c in ("off", "on")]
     assert float(table[0][2]) == pytest.approx(summary["online_uncentered"]["drift"], abs=1e-3)
     assert set(summary) == {"online_uncentered", "online_centered", "frozen_uncentered", "frozen_centered"}
     assert json.load(open(tmp_path / "summary.json")) == summary
@@ -768,16 +814,17 @@ def test_train_end_to_end_writes_metrics_summary_and_a_loadable_checkpoint(tmp_p
     data.mkdir()
     for split, n in (("train", 6), ("test", 3)):
         (data / f"{split}.jsonl").write_text("".join(
-            json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}) + "\n"
+            json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"})
+            + "\n"
             for i in range(n)))
-    summary = train.main(["--model", ckpt, "--data-dir", str(data), "--steps", "2", "--prompts", "2", "--group",
-                          "4", "--max-tokens", "8", "--micro-batch", "4", "--eval-every", "1", "--center",
-                          "--sampler", "fp8", "--weight-noise", "0.05", "--tis-cap", "2",
+    summary = train.main(["--model", ckpt, "--data-dir", str(data), "--steps", "2", "--prompts", "2",
+                          "--group", "4", "--max-tokens", "8", "--micro-batch", "4", "--eval-every", "1",
+                          "--center", "--sampler", "fp8", "--weight-noise", "0.05", "--tis-cap", "2",
                           "--out", str(tmp_path / "run"), "--save", str(tmp_path / "saved")])
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[:2]:
-        assert all(np.isfinite(r[k]) for k in ("loss", "grad_norm", "kl_q_p", "logprob_gap", "entropy", "reward"))
+        assert all(np.isfinite(r[k]) for k in ("loss", "grad_norm", "kl_q_p", "logprob_gap", "entropy"))
     assert json.load(open(tmp_path / "run" / "summary.json")) == summary
     assert set(summary) == {"eval_acc", "peak_acc", "final_acc", "drop"}
     saved = qwen3.load(str(tmp_path / "saved"))
@@ -798,7 +845,7 @@ def test_train_end_to_end_writes_metrics_summary_and_a_loadable_checkpoint(tmp_p
 def test_bad_flags_fail_at_once(argv, match, capsys):
     with pytest.raises(SystemExit):
         train.parse_args(argv)
-    assert match in capsys.readouterr().err
+    assert match in capsys.readouterr().err.split("error:")[1]  # the message, not the usage line
 
 
 def test_readme_use_it_in_your_codebase_snippet_runs(capsys):
@@ -807,4 +854,5 @@ def test_readme_use_it_in_your_codebase_snippet_runs(capsys):
     ns = {}
     exec(compile(code, "README.md", "exec"), ns)
     assert capsys.readouterr().out.startswith("loss ")
-    assert _finite((ns["loss"], ns["metrics"], ns["grads"])) and set(ns["metrics"]) >= {"kl_q_p", "tis_capped"}
+    assert _finite((ns["loss"], ns["metrics"], ns["grads"]))
+    assert set(ns["metrics"]) >= {"kl_q_p", "tis_capped"}

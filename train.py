@@ -223,8 +223,7 @@ def reward(completion, gold):  # 1 when the completion's last number is the gold
     return float(bool(numbers) and normalise(numbers[-1]) == gold)
 
 def left_pad(prompts, pad_id, multiple=32):
-    """Token lists -> tokens, positions [B, T0], left-padded (position -1); T0 rounded up to `multiple` so
-    that prompt batches of similar lengths share one compiled program."""
+    """Token lists -> tokens, positions [B, T0] left-padded (position -1); T0 rounded up: fewer compiles."""
     T0 = -(-max(map(len, prompts)) // multiple) * multiple
     tokens, pos = np.full((len(prompts), T0), pad_id, np.int32), np.full((len(prompts), T0), -1, np.int32)
     for b, p in enumerate(prompts):
@@ -245,13 +244,12 @@ def fake_quant(x, axes, kind):  # symmetric, one scale per slice reduced over `a
     return (y.astype(jnp.float32) * scale).astype(x.dtype)
 
 def sampler_weights(w, kind, sigma=0.0, key=None):
-    """w ⊙ (1 + σε), ε ~ N(0, 1) drawn from `key` (the same ε at every refresh: a persistent bias); then
-    fake-quantised per output channel for int8/fp8 (every matmul weight, embeddings too); stored in bf16."""
+    """bf16 copy of w ⊙ (1 + σε), ε ~ N(0, 1) from `key`: the same at every refresh, a persistent bias."""
     if sigma:
         leaves, tree = jax.tree.flatten(w)
         keys = jax.random.split(key, len(leaves))
         w = tree.unflatten([x * (1 + sigma * jax.random.normal(k, x.shape)) for x, k in zip(leaves, keys)])
-    if kind != "bf16":
+    if kind != "bf16":  # per output channel, every matmul weight (embeddings too)
         quant = lambda d: {k: fake_quant(x, INPUT_AXES[k], kind) if k in INPUT_AXES else x  # noqa: E731
                            for k, x in d.items()}
         w = dict(quant(w), layers=quant(w["layers"]))
@@ -272,7 +270,7 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, mm=jnp.einsum, dtype=jnp.bfloat
 
     def sample(w, prompt, pos, key):
         B, T0 = prompt.shape
-        logits, kv = fwd(w, prompt, pos, qwen3.init_kv(cfg, B, T0 + max_tokens, dtype), 0, last_only=True)
+        logits, kv = fwd(w, prompt, pos, qwen3.init_kv(cfg, B, T0 + max_tokens, dtype), 0, last=1)
         M, K = max_tokens, topk or cfg["vocab_size"]
         out = dict(tokens=jnp.zeros((B, M), jnp.int32), logq=jnp.zeros((B, M)), mask=jnp.zeros((B, M), bool),
                    head_logq=jnp.zeros((B, M, K)))
@@ -290,8 +288,8 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, mm=jnp.einsum, dtype=jnp.bfloat
             logits, kv = fwd(w, y[:, None].astype(jnp.int32), pos[:, -1:] + 1 + i, kv, T0 + i)
             return i + 1, logits, kv, done | jnp.isin(y, eos), out, key
 
-        carry = (0, logits, kv, jnp.zeros(B, bool), out, key)
-        return jax.lax.while_loop(lambda c: (c[0] < max_tokens) & ~c[3].all(), body, carry)[4]
+        running = lambda c: (c[0] < max_tokens) & ~c[3].all()  # noqa: E731
+        return jax.lax.while_loop(running, body, (0, logits, kv, jnp.zeros(B, bool), out, key))[4]
     return jax.jit(sample)
 
 # ---------------------------------------------------------------------------------------------------------
@@ -301,8 +299,9 @@ def completion_logits(cfg, w, prompt, pos, tokens):
     """The trainer's float32 logits [B, M, V] at the positions that predicted the completion tokens [B, M]."""
     M = tokens.shape[1]
     seq_pos = jnp.concatenate([pos, pos[:, -1:] + 1 + jnp.arange(M)[None, :]], 1)
-    logits = qwen3.forward(cfg, w, jnp.concatenate([prompt, tokens], 1), seq_pos)[0]  # [B, T0 + M, V]
-    return logits[:, -M - 1:-1]  # the logits at position t predict token t + 1
+    with jax.default_matmul_precision("highest"):  # a float32 trainer, not TF32 (GPU) or bf16 passes (TPU)
+        logits = qwen3.forward(cfg, w, jnp.concatenate([prompt, tokens], 1), seq_pos, last=M + 1)[0]
+    return logits[:, :-1] / TEMPERATURE  # the logits at position t predict token t + 1
 
 def make_train_step(cfg, opt, center, tis_cap, micro_batch, mesh):
     """fn(weights, opt_state, batch) -> (weights, opt_state, metrics); batch: the sampler's record plus
@@ -312,7 +311,7 @@ def make_train_step(cfg, opt, center, tis_cap, micro_batch, mesh):
         logits = completion_logits(cfg, w, b["prompt"], b["pos"], b["tokens"])
         loss, metrics = sc.loss(logits, b["tokens"], b["mask"], b["adv"], b["logq"], b.get("head_ids"),
                                 b["head_logq"], center=center, tis_cap=tis_cap)
-        return loss * b["mask"].sum(), (metrics, b["mask"].sum())
+        return loss * b["mask"].sum(), (metrics, b["mask"].sum())  # token sums, divided by N below
 
     def step(w, opt_state, batch):
         def accumulate(grads, b):
@@ -333,18 +332,17 @@ def make_train_step(cfg, opt, center, tis_cap, micro_batch, mesh):
 # ---------------------------------------------------------------------------------------------------------
 # GSM8K GRPO
 
-def rollouts(sampler, w, tok, problems, key):  # sample, decode up to the end of turn, reward
-    prompt, pos = left_pad([tok.chat(q + INSTRUCTION) for q, _ in problems], tok.pad_id)
+def rollouts(sampler, w, tok, problems, key, data):  # sample (rows split over devices), decode, reward
+    prompt, pos = jax.device_put(left_pad([tok.chat(q + INSTRUCTION) for q, _ in problems], tok.pad_id), data)
     out = jax.device_get(sampler(w, prompt, pos, key))
     texts = [tok.decode([t for t, m in zip(*row) if m and t not in tok.eos_ids])
              for row in zip(out["tokens"], out["mask"])]
     return dict(out, prompt=prompt, pos=pos), np.array([reward(t, g) for t, (_, g) in zip(texts, problems)])
 
-def evaluate(args, evaluator, w, tok, problems):  # greedy accuracy, in batches of --prompts x --group
-    n, w = min(args.prompts * args.group, len(problems)), sampler_weights(w, "bf16")
-    chunks = [problems[i:i + n] for i in range(0, len(problems), n)]  # the last one padded to n rows:
-    key = jax.random.PRNGKey(0)  # unused: greedy
-    scores = [rollouts(evaluator, w, tok, c + c[:1] * (n - len(c)), key)[1][:len(c)] for c in chunks]
+def evaluate(args, evaluator, w, tok, problems, data):  # greedy accuracy, in batches of --prompts x --group
+    n, w, key = args.prompts * args.group, sampler_weights(w, "bf16"), jax.random.PRNGKey(0)  # key: unused
+    chunks = [problems[i:i + n] for i in range(0, len(problems), n)]  # each padded to n rows: one program
+    scores = [rollouts(evaluator, w, tok, c + c[:1] * (n - len(c)), key, data)[1][:len(c)] for c in chunks]
     return float(np.concatenate(scores).mean())
 
 def main(argv=None):
@@ -358,10 +356,12 @@ def main(argv=None):
     train_set, test_set = gsm8k(args.data_dir, "train"), gsm8k(args.data_dir, "test")[:args.eval_n]
     model = qwen3.load(args.model)
     cfg, tok = model.cfg, model.tokenizer
-    if args.topk == 0 and cfg["vocab_size"] > 4096:
-        raise SystemExit(f"--topk 0 records q over all {cfg['vocab_size']} tokens a step: use --topk 128")
+    if tok is None or (args.topk == 0 and cfg["vocab_size"] > 4096):
+        raise SystemExit(f"{args.model} has no tokenizer files" if tok is None else
+                         f"--topk 0 records q over all {cfg['vocab_size']} tokens a step: use --topk 128")
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    w = jax.device_put(model.weights, NamedSharding(mesh, P()))  # replicated; the batch is split over devices
+    data = NamedSharding(mesh, P("data"))  # rollouts and batches are split over all devices, row-wise
+    w = jax.device_put(model.weights, NamedSharding(mesh, P()))  # the weights replicated
     opt = getattr(optax, args.optimizer)(args.lr)
     opt_state, (key, noise_key) = opt.init(w), jax.random.split(jax.random.PRNGKey(args.seed))
     train_step = make_train_step(cfg, opt, args.center, args.tis_cap, args.micro_batch, mesh)
@@ -371,17 +371,17 @@ def main(argv=None):
     for step in range(args.steps + 1):
         row = {"step": step}
         if step % args.eval_every == 0 or step == args.steps:
-            accs[step] = row["acc"] = evaluate(args, evaluator, w, tok, test_set)
+            accs[step] = row["acc"] = evaluate(args, evaluator, w, tok, test_set, data)
         if step < args.steps:
             t0 = time.perf_counter()
             if step % (args.staleness + 1) == 0:
                 w_sampler = sampler_weights(w, args.sampler, args.weight_noise, noise_key)
             problems = [train_set[order[(step * args.prompts + i) % len(order)]] for i in range(args.prompts)]
             batch, r = rollouts(sampler, w_sampler, tok, [p for p in problems for _ in range(args.group)],
-                                jax.random.fold_in(key, step))
+                                jax.random.fold_in(key, step), data)
             t1 = time.perf_counter()
             batch["adv"] = advantage(r.astype(np.float32), args)
-            w, opt_state, m = train_step(w, opt_state, jax.device_put(batch, NamedSharding(mesh, P("data"))))
+            w, opt_state, m = train_step(w, opt_state, jax.device_put(batch, data))
             row |= {k: float(v) for k, v in m.items()} | dict(
                 reward=float(r.mean()), length=float(batch["mask"].sum(1).mean()), sample_seconds=t1 - t0,
                 train_seconds=time.perf_counter() - t1, seconds=time.perf_counter() - t0)
