@@ -856,3 +856,12 @@ def test_readme_use_it_in_your_codebase_snippet_runs(capsys):
     assert capsys.readouterr().out.startswith("loss ")
     assert _finite((ns["loss"], ns["metrics"], ns["grads"]))
     assert set(ns["metrics"]) >= {"kl_q_p", "tis_capped"}
+
+
+def test_readme_line_counts_are_the_files_line_counts():
+    here = os.path.dirname(os.path.abspath(__file__))
+    rows = [line.split("|") for line in open(os.path.join(here, "README.md")) if line.startswith("| `")]
+    counts = {r[1].strip(" `"): int(r[2]) for r in rows if r[2].strip().isdigit()}
+    assert set(counts) == {"score_centering.py", "qwen3.py", "train.py", "test_score_centering.py"}
+    for name, n in counts.items():
+        assert n == sum(1 for _ in open(os.path.join(here, name))), name
