@@ -32,16 +32,19 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    weighted score: ℓ_t = −sg(A) · [sg(w_y) log p(y) − Σ_v sg(m_v) log p(v)], effective mass m = q · w.
 #    Truncated IS, f(r) = min(r, C), gives m = min(p, C · q), computed in log space. Untruncated IS gives
 #    m = p and the term vanishes by step 2: full IS is drift-free already, at the price of its variance.
+#    Masked IS (miles' `mis`, verl's IcePop), f(r) = r · 1[lo ≤ r ≤ hi], gives m = p · 1[lo ≤ p/q ≤ hi]:
+#    a token whose ratio leaves the band drops out of both terms; the band [0, ∞) is untruncated IS.
 # 10. Top-k: q over a 151k vocabulary at every token is too big to keep, so the sampler records its head H
 #    (top-k ids and their log q, normalised over the full vocabulary). Model the tail as proportional to
 #    the trainer, q̂(v) = ρ p(v) off H, with ρ = max(1 − Σ_H q, ε) / max(1 − Σ_H p, ε), ε = 1e-6. By step 2
 #    the tail's score sum is minus the head's, so Σ_v q̂(v) s_v = Σ_{v∈H} (q(v) − ρ p(v)) s_v: the
 #    correction touches only k logits. With IS the tail's ratio p / q̂ = 1/ρ is constant, its effective
-#    mass is α p with α = ρ f(1/ρ), and each head coefficient is c_v = sg(m_v − α p(v)). When H is the
-#    whole vocabulary the tail is empty and any α gives the exact formula: one code path serves both.
+#    mass is α p with α = ρ f(1/ρ) (TIS: min(1, C ρ); MIS: 1[lo ≤ 1/ρ ≤ hi]), and each head coefficient is
+#    c_v = sg(m_v − α p(v)). When H is the whole vocabulary the tail is empty and any α gives the exact
+#    formula: one code path serves both.
 # 11. So each trained token contributes −sg(A) · [sg(w_y) log p(y) − Σ_{v∈H} c_v log p(v)], whose
 #    gradient in logit space is −A · [w_y (e_y − p) − Σ_H c_v (e_v − p)]; without IS and with H = V this
-#    is −A · (e_y − q). `center=False` drops the sum: plain (optionally truncated-IS) REINFORCE. The value
+#    is −A · (e_y − q). `center=False` drops the sum: plain (optionally IS-weighted) REINFORCE. The value
 #    also gets sg(α H(p)) (H the entropy, zero gradient), so it equals step 9's with q̂: Σ_v m̂_v log p(v).
 import jax
 import jax.numpy as jnp
@@ -50,7 +53,7 @@ import numpy as np
 EPS = 1e-6  # floor of the tail masses in the top-k model (step 10)
 
 
-def _check(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs, center, tis_cap):
+def _check(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs, center, tis_cap, mis):
     """Raise ValueError on inconsistent shapes, ids or options; runs at trace time, before any compute."""
     if logits.ndim != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {logits.shape}")
@@ -75,6 +78,11 @@ def _check(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_lo
     if tis_cap is not None and not tis_cap > 0:
         raise ValueError(f"tis_cap must be a positive number (the truncation C of w = min(p/q, C)), "
                          f"got {tis_cap}; use None for no importance weight")
+    if tis_cap is not None and mis is not None:
+        raise ValueError(f"tis_cap={tis_cap} and mis={mis} are exclusive (truncated or masked IS): pass one")
+    if mis is not None and not (isinstance(mis, (tuple, list)) and len(mis) == 2 and 0 <= mis[0] < mis[1]):
+        raise ValueError(f"mis must be a band (lo, hi) of ratios p/q with 0 ≤ lo < hi (hi may be inf), "
+                         f"got {mis}; use None for no importance weight")
     for name, ids in (("tokens", tokens), ("head_ids", head_ids)):
         if ids is None:
             continue
@@ -93,16 +101,20 @@ def _gather(logp, ids):  # out-of-range ids (only visible under jit) give NaN, n
 
 
 def loss(logits, tokens, mask, advantages, sampler_logprobs, head_ids=None, head_logprobs=None,
-         *, center=True, tis_cap=None):
-    """Token-mean policy-gradient loss with optional score centering and truncated importance sampling.
+         *, center=True, tis_cap=None, mis=None):
+    """Token-mean policy-gradient loss with optional score centering and truncated or masked IS.
 
     logits [B, T, V] trainer logits at the positions that predicted `tokens` [B, T]; mask [B, T] (True =
     trained); advantages [B] or [B, T] (a constant); sampler_logprobs [B, T] = log q(tokens);
     head_ids, head_logprobs [B, T, K]: the sampler's top-k ids and log q (normalised over the full
     vocabulary), or head_ids=None and head_logprobs [B, T, V] = the full sampler log-softmax (exact).
+    tis_cap C: weight min(p/q, C); mis (lo, hi): weight p/q inside the band, 0 outside (at most one).
     Returns (loss, metrics). Ids outside [0, V) raise ValueError on concrete inputs and give NaN under jit.
     """
-    _check(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs, center, tis_cap)
+    as_array = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731  (lists and numpy arrays too)
+    logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs = map(
+        as_array, (logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs))
+    _check(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs, center, tis_cap, mis)
     f32, sg, mask = jnp.float32, jax.lax.stop_gradient, mask.astype(bool)
     # inputs at masked tokens may be garbage (NaN, inf): zeroed first, so that no value or gradient sees them
     keep = lambda x: jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 2)), x, 0)  # noqa: E731
@@ -115,12 +127,18 @@ def loss(logits, tokens, mask, advantages, sampler_logprobs, head_ids=None, head
     mean = lambda x: jnp.where(mask, x, 0.0).sum() / n  # noqa: E731  (the token mean)
 
     log_ratio = sg(logp_y - logq_y)                                               # log p(y)/q(y)
-    w_y = 1.0 if tis_cap is None else jnp.exp(jnp.minimum(log_ratio, jnp.log(tis_cap)))
-    score = w_y * logp_y                                                          # sg(w_y) log p(y)
-    entropy = sg(-(jnp.exp(logp) * logp).sum(-1))                                 # [B, T]
+    p_logp = jnp.where(logp == -jnp.inf, 0.0, jnp.exp(logp) * logp)              # 0 log 0 = 0 (-inf logits)
+    entropy = sg(-p_logp.sum(-1))                                                 # [B, T]
     metrics = dict(kl_q_p=mean(-log_ratio), logprob_gap=mean(jnp.abs(log_ratio)), entropy=mean(entropy))
+    w_y = 1.0
     if tis_cap is not None:
+        w_y = jnp.exp(jnp.minimum(log_ratio, jnp.log(tis_cap)))
         metrics["tis_capped"] = mean((log_ratio >= jnp.log(tis_cap)).astype(f32))
+    if mis is not None:
+        in_band = lambda log_r: (log_r >= jnp.log(mis[0])) & (log_r <= jnp.log(mis[1]))  # noqa: E731
+        w_y = jnp.where(in_band(log_ratio), jnp.exp(log_ratio), 0.0)
+        metrics["mis_masked"] = mean((~in_band(log_ratio)).astype(f32))
+    score = w_y * logp_y                                                          # sg(w_y) log p(y)
 
     if head_logprobs is not None:
         logq_H = sg(keep(head_logprobs.astype(f32)))                              # [B, T, K]
@@ -128,11 +146,14 @@ def loss(logits, tokens, mask, advantages, sampler_logprobs, head_ids=None, head
         sg_logp_H = sg(logp_H)
         q_mass, p_mass = jnp.exp(logq_H).sum(-1), jnp.exp(sg_logp_H).sum(-1)      # [B, T]
         rho = jnp.maximum(1 - q_mass, EPS) / jnp.maximum(1 - p_mass, EPS)        # tail: q̂ = ρ p off H
-        if tis_cap is None:                                                  # m = q, α = ρ
-            m_H, alpha = jnp.exp(logq_H), rho
-        else:                                                                # m = min(p, Cq), α = min(1, Cρ)
+        if tis_cap is not None:                                              # m = min(p, Cq), α = min(1, Cρ)
             m_H = jnp.exp(jnp.minimum(sg_logp_H, jnp.log(tis_cap) + logq_H))
             alpha = jnp.minimum(1.0, tis_cap * rho)
+        elif mis is not None:                                                # m = p 1[band], α = 1[band](1/ρ)
+            m_H = jnp.where(in_band(sg_logp_H - logq_H), jnp.exp(sg_logp_H), 0.0)
+            alpha = in_band(-jnp.log(rho)).astype(f32)
+        else:                                                                # m = q, α = ρ
+            m_H, alpha = jnp.exp(logq_H), rho
         c_H = m_H - alpha[..., None] * jnp.exp(sg_logp_H)                         # [B, T, K], step 10
         metrics.update(head_mass_q=mean(q_mass), head_mass_p=mean(p_mass),
                        correction=mean(jnp.abs(c_H).sum(-1)))
