@@ -13,6 +13,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
+from functools import partial  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import qwen3  # noqa: E402
@@ -261,6 +262,208 @@ def test_shape_errors_fire_at_trace_time_and_bad_ids_give_nan_under_jit():
         jax.jit(sc.loss).lower(**{**args, "sampler_logprobs": jnp.zeros((2, 4))})
     v, _ = jax.jit(sc.loss)(**{**args, "head_ids": jnp.full((2, 3, 2), -1)})
     assert bool(jnp.isnan(v))
+
+
+# ---- masked importance sampling, -inf logits, array-like inputs
+INF = float("inf")
+BANDS = [(0.5, 5.0), (0.0, 1.0), (1.0, INF), (0.8, 1.5)]  # the paper's MIS arm first
+
+
+def _mis_w(lo, hi):  # f of step 9 for masked IS: r · 1[lo ≤ r ≤ hi]
+    return lambda r: np.where((lo <= r) & (r <= hi), r, 0.0)
+
+
+def _np_loss(d, w, center=True):
+    """Step 9 written densely in float64 numpy, with q̂ = q on the head and ρ p off it: (value, gradient).
+    w is f of step 9 (None: no importance weight). A token with p = 0 has m = 0 (m ≤ p for every f here)."""
+    z, logq = np.asarray(d["z"], np.float64), np.asarray(d["logq"], np.float64)
+    y, ids, mask, A = map(np.asarray, (d["y"], d["ids"], d["mask"], d["A"]))
+    logp = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
+    p, q = np.exp(logp), np.exp(logq)
+    head = np.zeros_like(p, bool)
+    np.put_along_axis(head, ids, True, -1)
+    f = (lambda r: np.ones_like(r)) if w is None else w
+    with np.errstate(divide="ignore", invalid="ignore"):  # ρ = 0/0 when the head is every token: unused
+        rho = (1 - (q * head).sum(-1, keepdims=True)) / (1 - (p * head).sum(-1, keepdims=True))
+        q_hat = np.where(head, q, rho * p)
+        m_hat = np.where(p > 0, q_hat * f(p / q_hat), 0.0)
+        centring_value = np.where(m_hat > 0, m_hat * logp, 0.0).sum(-1)
+    logp_y = np.take_along_axis(logp, y[..., None], -1)[..., 0]
+    w_y = f(np.exp(logp_y - np.asarray(d["logq_y"], np.float64)))
+    value = -(A[:, None] * (w_y * logp_y - center * centring_value))[mask].sum() / mask.sum()
+    y_hot = np.eye(z.shape[-1])[y]
+    centring = m_hat - m_hat.sum(-1, keepdims=True) * p
+    grad_token = -A[:, None, None] * (w_y[..., None] * (y_hot - p) - center * centring)
+    return value, np.where(mask[..., None], grad_token, 0) / mask.sum()
+
+
+def _ratios(d):  # float64 p/q on the head [B, T, K], at the sampled token [B, T], and of the tail 1/ρ [B, T]
+    logp = np.asarray(jax.nn.log_softmax(np.asarray(d["z"], np.float64)))
+    logq = np.asarray(d["logq"], np.float64)
+    ids, y = np.asarray(d["ids"]), np.asarray(d["y"])
+    p_H, q_H = np.exp(np.take_along_axis(logp, ids, -1)), np.exp(np.take_along_axis(logq, ids, -1))
+    r_y = np.exp(np.take_along_axis(logp - logq, y[..., None], -1)[..., 0])
+    return p_H / q_H, r_y, (1 - p_H.sum(-1)) / (1 - q_H.sum(-1))
+
+
+def _out(r, band):
+    return (r < band[0]) | (r > band[1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# masked importance sampling
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mis_expected_gradient_by_enumeration(seed):
+    """Σ_y q(y) ∇ loss(y) is zero for the centred MIS loss, exact and top-(V−1); not for the plain one."""
+    V, A = 7, 1.7
+    kz, kq = jax.random.split(jax.random.PRNGKey(seed))
+    z, logq = 2.0 * jax.random.normal(kz, (V,)), _dist(kq, V, 2.0)
+    ratio = np.exp(np.asarray(jax.nn.log_softmax(z) - logq, np.float64))
+    order = jnp.argsort(-logq)
+    full = dict(head_logprobs=logq)
+    one_tail = dict(head_ids=order[:-1], head_logprobs=logq[order[:-1]])  # the tail's 1/ρ is its own p/q
+    tail_out, partly = [], []
+    for band in BANDS:
+        out = _out(ratio, band)
+        partly.append(0 < out.sum() < V)
+        tail_out.append(bool(out[int(order[-1])]))
+        plain = _expected_grad(z, logq, A=A, center=False, mis=band)
+        if not out.all():  # MIS alone leaves drift, so the zero below means something
+            assert float(jnp.abs(plain).max()) > 1e-2, band
+        for head in (full, one_tail):
+            np.testing.assert_allclose(_expected_grad(z, logq, A=A, head=head, mis=band), 0.0, atol=1e-6,
+                                       err_msg=f"{band} {len(head)}")
+    assert sum(partly) >= 2  # bands that mask some tokens and keep others
+    assert any(tail_out) and not all(tail_out)  # the tail token is masked by some bands, kept by others
+
+
+def test_mis_topk_multi_token_tail_equals_exact_formula_on_modelled_q():
+    """Top-k (K = 4 of V = 13) equals step 9 written densely in numpy, f(r) = r · 1[lo ≤ r ≤ hi], on q̂."""
+    d = _batch(6)
+    r_H, _, r_tail = _ratios(d)
+    mask = np.asarray(d["mask"])
+    tail_out = np.stack([_out(r_tail, band)[mask] for band in BANDS])
+    assert tail_out.any() and not tail_out.all()  # α = 0 at some tokens, 1 at others
+    for band in BANDS:
+        out_H = _out(r_H, band)[mask]
+        assert out_H.any() and not out_H.all(), band  # some head tokens masked, some kept
+        value, grad = _np_loss(d, _mis_w(*band))
+        v, g = _value_grad(d, head_ids=d["ids"], head_logprobs=d["logq_H"], mis=band)
+        np.testing.assert_allclose(v, value, rtol=1e-5, atol=1e-6, err_msg=str(band))
+        np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-6, err_msg=str(band))
+        perm = jnp.argsort(-d["logq"], axis=-1)  # K = V: the exact formula, whatever α
+        v, g = _value_grad(d, head_ids=perm, head_logprobs=jnp.take_along_axis(d["logq"], perm, -1), mis=band)
+        value, grad = _np_loss({**d, "ids": perm}, _mis_w(*band))
+        np.testing.assert_allclose(v, value, rtol=1e-5, atol=1e-6, err_msg=str(band))
+        np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-6, err_msg=str(band))
+
+
+def test_mis_full_band_is_untruncated_is_and_centring_changes_nothing():
+    """The band [0, ∞) is untruncated IS: m = p, so c = 0 and centring changes no gradient (step 9)."""
+    d = _batch(12)
+    band = (0.0, INF)
+    _, g_plain = _value_grad(d, center=False, mis=band)
+    _, g_exact = _value_grad(d, head_logprobs=d["logq"], mis=band)
+    _, g_topk = _value_grad(d, head_ids=d["ids"], head_logprobs=d["logq_H"], mis=band)
+    np.testing.assert_allclose(g_exact, g_plain, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g_topk, g_plain, rtol=1e-5, atol=1e-6)
+    _, grad = _np_loss(d, lambda r: r, center=False)  # w = p/q on every token
+    np.testing.assert_allclose(g_plain, grad, rtol=1e-5, atol=1e-6)
+    _, m = sc.loss(d["z"], d["y"], d["mask"], d["A"], d["logq_y"], d["ids"], d["logq_H"], mis=band)
+    assert float(m["correction"]) < 1e-6 and float(m["mis_masked"]) == 0.0
+
+
+@pytest.mark.parametrize("band", BANDS)
+def test_mis_tokens_outside_the_band_contribute_nothing_to_the_sampled_term(band):
+    d = _batch(13, T=8)
+    _, r_y, _ = _ratios(d)
+    out = _out(r_y, band) & np.asarray(d["mask"])
+    assert out.any() and (~out & np.asarray(d["mask"])).any()  # both kinds of trained token are present
+    v, g = _value_grad(d, center=False, mis=band)
+    value, grad = _np_loss(d, _mis_w(*band), center=False)
+    np.testing.assert_allclose(v, value, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(jnp.where(out[..., None], g, 0.0)).max()) == 0.0  # exactly nothing, not rounding
+
+
+def test_mis_metrics_are_the_documented_quantities():
+    d = _batch(10, T=8)
+    band = (0.5, 2.0)
+    _, m = sc.loss(d["z"], d["y"], d["mask"], d["A"], d["logq_y"], d["ids"], d["logq_H"], mis=band)
+    r_H, r_y, r_tail = _ratios(d)
+    mask = np.asarray(d["mask"])
+    assert 0 < _out(r_y, band)[mask].mean() < 1
+    np.testing.assert_allclose(m["mis_masked"], _out(r_y, band)[mask].mean(), rtol=1e-6)
+    assert "tis_capped" not in m
+    logp = np.asarray(jax.nn.log_softmax(np.asarray(d["z"], np.float64)))
+    p_H = np.exp(np.take_along_axis(logp, np.asarray(d["ids"]), -1))
+    c = np.where(_out(r_H, band), 0, p_H) - np.where(_out(r_tail, band), 0, 1)[..., None] * p_H  # m − α p
+    np.testing.assert_allclose(m["correction"], np.abs(c).sum(-1)[mask].mean(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(tis_cap=2.0, mis=(0.5, 5.0)), "tis_cap.*mis"),
+    (dict(mis=(2.0, 1.0)), "mis"),
+    (dict(mis=(1.0, 1.0)), "mis"),
+    (dict(mis=(-0.1, 2.0)), "mis"),
+    (dict(mis=(float("nan"), 2.0)), "mis"),
+    (dict(mis=(0.5, float("nan"))), "mis"),
+    (dict(mis=(INF, INF)), "mis"),
+    (dict(mis=(0.5,)), "mis"),
+    (dict(mis=(0.5, 2.0, 3.0)), "mis"),
+    (dict(mis=0.5), "mis"),
+])
+def test_mis_bad_input_raises_naming_the_argument(change, match):
+    with pytest.raises(ValueError, match=match):
+        sc.loss(**{**_good(), **change})
+    with pytest.raises(ValueError, match=match):  # at trace time, before any compute
+        jax.jit(partial(sc.loss, **change)).lower(**_good())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# hardening
+
+
+@pytest.mark.parametrize("kw", [dict(center=False), dict(), dict(tis_cap=2.0), dict(mis=(0.5, 5.0))])
+def test_neg_inf_logit_off_the_head_and_sample_stays_finite(kw):
+    """A -inf trainer logit on a token neither sampled nor in the head has p = 0 and must count as such."""
+    d = _batch(14)
+    y, ids = np.asarray(d["y"]), np.asarray(d["ids"])
+    V = d["z"].shape[-1]
+    taken = np.zeros((*y.shape, V), bool)
+    np.put_along_axis(taken, ids, True, -1)
+    np.put_along_axis(taken, y[..., None], True, -1)
+    dead = np.argmin(taken, -1)  # the first id neither sampled nor in the head
+    d["z"] = jnp.where(np.eye(V, dtype=bool)[dead], -jnp.inf, d["z"])
+    f = jax.value_and_grad(lambda z: sc.loss(z, d["y"], d["mask"], d["A"], d["logq_y"], d["ids"], d["logq_H"],
+                                             **kw), has_aux=True)
+    (v, metrics), g = f(d["z"])
+    for name, x in [("value", v), ("gradient", g), *metrics.items()]:
+        assert bool(jnp.isfinite(x).all()), (name, x)
+    w = {"tis_cap": lambda r: np.minimum(r, 2.0), "mis": _mis_w(0.5, 5.0)}
+    value, grad = _np_loss(d, next((w[k] for k in kw if k in w), None), center=kw.get("center", True))
+    np.testing.assert_allclose(v, value, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-6)
+    logp = np.asarray(jax.nn.log_softmax(np.asarray(d["z"], np.float64)))
+    with np.errstate(invalid="ignore"):
+        entropy = -np.where(np.isinf(logp), 0, np.exp(logp) * logp).sum(-1)  # 0 log 0 = 0
+    np.testing.assert_allclose(metrics["entropy"], entropy[np.asarray(d["mask"])].mean(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(center=False), dict(mis=(0.5, 5.0))])
+def test_array_likes_give_the_same_result_as_arrays(kw):
+    d = _batch(15)
+    args = (d["z"], d["y"], d["mask"], d["A"], d["logq_y"], d["ids"], d["logq_H"])
+    v, m = sc.loss(*args, **kw)
+    A, mask = np.asarray(d["A"]).tolist(), np.asarray(d["mask"]).tolist()
+    for x in [(*args[:3], A, *args[4:]), (*args[:2], mask, A, *args[4:]),
+              [np.asarray(x).tolist() for x in args]]:  # advantages, then with mask, then every input a list
+        v2, m2 = sc.loss(*x, **kw)
+        np.testing.assert_allclose(v2, v, rtol=1e-6, atol=1e-7)
+        for k in m:
+            np.testing.assert_allclose(m2[k], m[k], rtol=1e-6, atol=1e-7, err_msg=k)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -638,10 +841,12 @@ def _prompts(tok, B, seed=0):  # B token lists of different lengths
 STOP = tuple(range(0, 300, 12))  # 25 of the 300 ids end a completion, so completions stop at different steps
 
 
-def test_zero_mismatch_sampler_logq_equals_trainer_logp(tiny):
-    """float32 sampler without noise: recorded log q == the train step's recomputed log p on every token."""
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_zero_mismatch_sampler_logq_equals_trainer_logp(tiny, monkeypatch, temperature):
+    """float32 sampler without noise: recorded log q == the train step's log p == an independent full pass."""
+    monkeypatch.setattr(train, "TEMPERATURE", temperature)  # read at trace time by the sampler and the trainer
     prompt, pos = _prompts(tiny.tokenizer, 6)
-    sample = train.make_sampler(tiny.cfg, 24, 8, STOP, dtype=jnp.float32)
+    sample = train.make_sampler(tiny.cfg, 24, 8, STOP, dtype=jnp.float32, kv=train.kv_quant(None))
     out = sample(tiny.weights, prompt, pos, jax.random.PRNGKey(0))
     lengths = np.asarray(out["mask"]).sum(1)
     assert len(set(lengths.tolist())) > 2 and lengths.min() < 24, lengths  # stops at different steps
@@ -652,6 +857,60 @@ def test_zero_mismatch_sampler_logq_equals_trainer_logp(tiny):
     assert float(gap.max()) <= 1e-4
     head_p = jnp.take_along_axis(logp, out["head_ids"], -1)
     np.testing.assert_allclose(np.where(out["mask"][..., None], head_p - out["head_logq"], 0), 0, atol=1e-4)
+    # the reference: one plain forward pass over prompt + completion, tokens at positions T0 - 1 + t
+    T0 = prompt.shape[1]
+    seq = jnp.concatenate([prompt, out["tokens"]], 1)
+    full = jnp.concatenate([pos, pos[:, -1:] + 1 + jnp.arange(24)[None]], 1)
+    ref = jax.nn.log_softmax(qwen3.forward(tiny.cfg, tiny.weights, seq, full)[0][:, T0 - 1:-1] / temperature)
+    ref_y = np.take_along_axis(np.asarray(ref), np.asarray(out["tokens"])[..., None], -1)[..., 0]
+    assert np.abs(np.where(out["mask"], ref_y - np.asarray(out["logq"]), 0)).max() <= 1e-4
+
+
+def test_mask_ends_at_the_first_eos(tiny):
+    """The mask holds the completion up to and including its first EOS token, and nothing after it."""
+    prompt, pos = _prompts(tiny.tokenizer, 8)
+    out = train.make_sampler(tiny.cfg, 20, 4, STOP)(train.sampler_weights(tiny.weights, "bf16"), prompt, pos,
+                                                     jax.random.PRNGKey(3))
+    tokens, mask = np.asarray(out["tokens"]), np.asarray(out["mask"])
+    ended = 0
+    for row, m in zip(tokens, mask):
+        first = next((i for i, t in enumerate(row) if t in STOP), None)
+        n = 20 if first is None else first + 1
+        ended += first is not None
+        assert m.tolist() == [True] * n + [False] * (20 - n), (row, m)
+    assert 0 < ended < 8  # rows that end and rows that run to the cap
+
+
+def test_categorical_samples_exactly_q():
+    """Inverse-CDF sampling over blocks: frequencies match q (a padded last block, a zero-probability id)."""
+    q = np.array([0.3, 0.0, 0.05, 0.15, 0.2, 0.1, 0.2])  # V = 7, blocks of 4: the last block is padded
+    logq = jnp.broadcast_to(jnp.log(jnp.array(q)), (200_000, 7))
+    y = np.asarray(jax.jit(partial(train.categorical, block=4))(jax.random.PRNGKey(0), logq))
+    f = np.bincount(y, minlength=7) / len(y)
+    assert len(f) == 7 and f[1] == 0
+    assert np.all(np.abs(f - q) <= 5 * np.sqrt(q * (1 - q) / len(y)) + 1e-9), (f, q)
+    logq = jax.nn.log_softmax(3 * jax.random.normal(jax.random.PRNGKey(1), (300,)))  # a peaked q, V = 300
+    y = np.asarray(jax.jit(train.categorical)(jax.random.PRNGKey(2), jnp.broadcast_to(logq, (100_000, 300))))
+    f, q = np.bincount(y, minlength=300) / len(y), np.exp(np.asarray(logq))
+    assert len(f) == 300 and np.all(np.abs(f - q) <= 5 * np.sqrt(q * (1 - q) / len(y)) + 1e-4)
+
+
+def test_kv_quantisation_error_is_bounded_and_compounds(tiny):
+    a = 3 * jax.random.normal(jax.random.PRNGKey(0), (2, 5, 2, 16))  # [B, T, K, H]
+    int8 = train.kv_quant("int8")(a)
+    amax = jnp.abs(a).max(3, keepdims=True)  # one scale per token and head
+    assert 0 < float(jnp.abs(int8 - a).max()) and bool((jnp.abs(int8 - a) <= 0.5 / 127 * amax + 1e-6).all())
+    fp8 = train.kv_quant("fp8")(a)  # e4m3 at unit scale: 3 mantissa bits, subnormal spacing 2^-9
+    assert 0 < float(jnp.abs(fp8 - a).max()) and bool((jnp.abs(fp8 - a) <= 2.0 ** -4 * jnp.abs(a) + 2.0 ** -10).all())
+    assert train.kv_quant(None) is None
+    prompt, pos = _prompts(tiny.tokenizer, 4)
+    gaps = []
+    for kind in ("int8", "fp8"):  # a float32 sampler whose only mismatch is the quantised cache
+        out = train.make_sampler(tiny.cfg, 12, 4, (), dtype=jnp.float32, kv=train.kv_quant(kind))(
+            tiny.weights, prompt, pos, jax.random.PRNGKey(0))
+        logp = train.token_logp(tiny.cfg, tiny.weights, dict(out, prompt=prompt, pos=pos))
+        gaps.append(float(jnp.abs(logp - out["logq"]).mean()))
+    assert all(1e-5 < g < 0.5 for g in gaps), gaps
 
 
 def _policy_kl(cfg, w0, w, prompt, pos):  # mean KL(p_0 || p) of the next-token distribution on probe prompts
@@ -671,21 +930,21 @@ def test_drift_on_the_real_code_path(tiny):
     kl = {}
     for center in (False, True):
         opt = optax.sgd(0.05)
-        step = train.make_train_step(cfg, opt, center, None, 16, mesh)
+        step = train.make_train_step(cfg, opt, dict(center=center), 16, mesh)
         w = jax.tree.map(jnp.copy, w0)
         opt_state = opt.init(w)
-        for i in range(20):
+        for i in range(12):
             prompt, pos = _prompts(tiny.tokenizer, P_ * G, seed=100 + i)
             sw = train.sampler_weights(w, "bf16", 0.3, noise_key)
             sw = jax.tree.map(lambda x: x.astype(jnp.float32), sw)  # the noise is the only mismatch
             out = sample(sw, prompt, pos, jax.random.PRNGKey(i))
             batch = dict(out, prompt=prompt, pos=pos, adv=np.ones(P_ * G, np.float32))  # constant reward
             w, opt_state, m = step(w, opt_state, batch)
-            if i + 1 in (10, 20):
+            if i + 1 in (6, 12):
                 kl[center, i + 1] = _policy_kl(cfg, w0, w, probe, probe_pos)
-    assert kl[False, 10] >= 3 * kl[True, 10] and kl[False, 20] >= 3 * kl[True, 20], kl
-    assert kl[False, 20] > 1.5 * kl[False, 10], kl  # the uncentred drift keeps growing
-    assert kl[False, 20] - kl[True, 20] > kl[False, 10] - kl[True, 10], kl
+    assert kl[False, 6] >= 3 * kl[True, 6] and kl[False, 12] >= 3 * kl[True, 12], kl
+    assert kl[False, 12] > 1.5 * kl[False, 6], kl  # the uncentred drift keeps growing
+    assert kl[False, 12] - kl[True, 12] > kl[False, 6] - kl[True, 6], kl
 
 
 def test_one_device_and_four_devices_give_the_same_step(tiny):
@@ -699,7 +958,7 @@ def test_one_device_and_four_devices_give_the_same_step(tiny):
         mesh = Mesh(np.array(devices), ("data",))
         opt = optax.sgd(0.1)
         w = jax.device_put(jax.tree.map(jnp.copy, tiny.weights), NamedSharding(mesh, P()))
-        step = train.make_train_step(tiny.cfg, opt, True, 2.0, 8, mesh)
+        step = train.make_train_step(tiny.cfg, opt, dict(center=True, tis_cap=2.0), 8, mesh)
         res.append(step(w, opt.init(w), jax.device_put(batch, NamedSharding(mesh, P("data")))))
     (w1, _, m1), (w4, _, m4) = res
     assert len(w4["embed"].sharding.device_set) == 4
@@ -716,7 +975,7 @@ def test_micro_batches_give_the_full_batch_token_mean(tiny):
                                                      jax.random.PRNGKey(1))
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 8))
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    res = [train.make_train_step(tiny.cfg, optax.sgd(1.0), True, None, mb, mesh)(
+    res = [train.make_train_step(tiny.cfg, optax.sgd(1.0), dict(center=True), mb, mesh)(
         jax.tree.map(jnp.copy, tiny.weights), optax.sgd(1.0).init(tiny.weights), batch) for mb in (8, 2)]
     np.testing.assert_allclose(res[0][2]["loss"], res[1][2]["loss"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(res[0][0]), jax.tree.leaves(res[1][0])):
@@ -808,44 +1067,321 @@ def test_bandit_compare_prints_one_table(tmp_path, capsys):
     assert json.load(open(tmp_path / "summary.json")) == summary
 
 
-def test_train_end_to_end_writes_metrics_summary_and_a_loadable_checkpoint(tmp_path, capsys):
-    ckpt = write_tiny_checkpoint(str(tmp_path / "ckpt"))
-    data = tmp_path / "gsm8k"
-    data.mkdir()
-    for split, n in (("train", 6), ("test", 3)):
-        (data / f"{split}.jsonl").write_text("".join(
-            json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"})
-            + "\n"
-            for i in range(n)))
-    summary = train.main(["--model", ckpt, "--data-dir", str(data), "--steps", "2", "--prompts", "2",
-                          "--group", "4", "--max-tokens", "8", "--micro-batch", "4", "--eval-every", "1",
-                          "--center", "--sampler", "fp8", "--weight-noise", "0.05", "--tis-cap", "2",
-                          "--out", str(tmp_path / "run"), "--save", str(tmp_path / "saved")])
+def write_gsm8k(data, n_train=6, n_test=3):
+    os.makedirs(data, exist_ok=True)
+    for split, n in (("train", n_train), ("test", n_test)):
+        with open(os.path.join(data, f"{split}.jsonl"), "w") as f:
+            f.writelines(json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"})
+                         + "\n" for i in range(n))
+    return str(data)
+
+
+@pytest.fixture(scope="module")
+def gsm(tmp_path_factory):  # a tiny checkpoint and a tiny GSM8K folder
+    root = tmp_path_factory.mktemp("gsm")
+    return write_tiny_checkpoint(str(root / "ckpt")), write_gsm8k(root / "gsm8k")
+
+
+def tiny_argv(gsm, *extra):  # a GSM8K run of the tiny checkpoint: seconds on a CPU
+    return ["--model", gsm[0], "--data-dir", gsm[1], "--steps", "2", "--prompts", "2", "--group", "4",
+            "--max-tokens", "8", "--eval-every", "1", "--probe-n", "3", *extra]
+
+
+def test_drift_meter_is_zero_at_the_start_and_the_definition_after(tiny):
+    prompt, pos = _prompts(tiny.tokenizer, 6)
+    out = train.make_sampler(tiny.cfg, 10, 1, STOP)(train.sampler_weights(tiny.weights, "bf16"), prompt, pos,
+                                                     jax.random.PRNGKey(0))
+    probe = dict(prompt=prompt, pos=pos, tokens=np.asarray(out["tokens"]), mask=np.asarray(out["mask"]))
+    logp = jax.jit(partial(train.token_logp, tiny.cfg))
+    meter = train.drift_meter(logp, probe, tiny.weights, 4)  # 6 rows in micro-batches of 4: 4 + 2
+    assert meter(tiny.weights) == 0.0
+    w = jax.tree.map(lambda x: x * (1 + 0.1 * np.sin(np.arange(x.size)).reshape(x.shape)), tiny.weights)
+
+    def ref_logp(w):  # numpy log-softmax of one plain pass; token t is predicted at position T0 - 1 + t
+        seq = np.concatenate([prompt, probe["tokens"]], 1)
+        full = np.concatenate([pos, pos[:, -1:] + 1 + np.arange(10)[None]], 1)
+        z = np.asarray(qwen3.forward(tiny.cfg, w, jnp.array(seq), jnp.array(full))[0], np.float64)
+        z = z[:, prompt.shape[1] - 1:-1]
+        lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+        return np.take_along_axis(z, probe["tokens"][..., None], -1)[..., 0] - lse
+    m = probe["mask"]
+    expected = ((ref_logp(tiny.weights) - ref_logp(w)) * m).sum() / m.sum()
+    assert abs(meter(w) - expected) <= 1e-4 + 1e-3 * abs(expected) and abs(expected) > 1e-3
+
+
+def spy_center(monkeypatch):  # the `center` of every traced sc.loss call
+    seen, real = [], sc.loss
+
+    def spy(*a, **kw):
+        seen.append(kw["center"])
+        return real(*a, **kw)
+    monkeypatch.setattr(train.sc, "loss", spy)
+    return seen
+
+
+def test_train_end_to_end_writes_metrics_summary_and_a_loadable_checkpoint(tmp_path, gsm, capsys, monkeypatch):
+    seen = spy_center(monkeypatch)
+    summary = train.main(tiny_argv(gsm, "--center", "--sampler", "fp8", "--kv-quant", "int8", "--weight-noise",
+                                   "0.05", "--mis", "0.5,5", "--out", str(tmp_path / "run"),
+                                   "--save", str(tmp_path / "saved")))
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[:2]:
-        assert all(np.isfinite(r[k]) for k in ("loss", "grad_norm", "kl_q_p", "logprob_gap", "entropy"))
+        assert all(np.isfinite(r[k]) for k in ("loss", "grad_norm", "kl_q_p", "logprob_gap", "entropy", "mis_masked"))
+    assert rows[0]["drift"] == 0.0 and all("drift" in r and "acc" in r for r in rows)
+    assert seen and set(seen) == {True}  # --center reached the loss
     assert json.load(open(tmp_path / "run" / "summary.json")) == summary
-    assert set(summary) == {"eval_acc", "peak_acc", "final_acc", "drop"}
+    assert set(summary) == {"eval_acc", "peak_acc", "final_acc", "drop", "drift", "final_drift", "mean_kl_q_p",
+                            "reward"}
+    assert summary["final_drift"] == rows[-1]["drift"] == summary["drift"]["2"]
     saved = qwen3.load(str(tmp_path / "saved"))
-    assert saved.tokenizer.encode("hi") == qwen3.load(ckpt).tokenizer.encode("hi")
+    assert saved.tokenizer.encode("hi") == qwen3.load(gsm[0]).tokenizer.encode("hi")
     assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(saved.weights))
+
+
+def test_gsm8k_compare_runs_both_arms_from_the_same_start(tmp_path, gsm, capsys, monkeypatch):
+    seen = spy_center(monkeypatch)
+    summary = train.main(tiny_argv(gsm, "--compare", "--sampler", "int8", "--weight-noise", "0.05",
+                                   "--out", str(tmp_path / "cmp"), "--plot", str(tmp_path / "cmp.png")))
+    text = capsys.readouterr().out
+    table = [line.split() for line in text.splitlines() if line.startswith(("uncentered ", "centered "))]
+    assert [row[0] for row in table] == ["uncentered", "centered"] and seen == [False, True]
+    assert float(table[1][3]) == pytest.approx(summary["centered"]["drop"], abs=1e-3)
+    assert summary["verdict"].startswith("verdict: ") and "verdict: " in text
+    rows = {arm: [json.loads(x) for x in open(tmp_path / "cmp" / arm / "metrics.jsonl")]
+            for arm in ("uncentered", "centered")}
+    # the same weights, data, sampler noise and keys: the first batch is the same batch in both arms
+    assert rows["uncentered"][0]["reward"] == rows["centered"][0]["reward"]
+    assert rows["uncentered"][0]["kl_q_p"] == rows["centered"][0]["kl_q_p"]
+    assert json.load(open(tmp_path / "cmp" / "summary.json")) == summary
+    assert os.path.getsize(tmp_path / "cmp.png") > 1000
+
+
+def test_sequence_task_centring_removes_the_drift_grpo_keeps(tmp_path, capsys):
+    summary = train.main(["--task", "sequence", "--compare", "--steps", "10", "--eval-every", "5",
+                          "--probe-n", "32", "--out", str(tmp_path)])
+    for b in ("group", "none"):
+        assert summary[f"{b}_uncentered"]["drift"] > 1.5 * summary[f"{b}_centered"]["drift"] > 0, summary
+        assert len(summary[f"{b}_centered"]["drift_curve"]) == 3 and summary[f"{b}_centered"]["drift_curve"][0] == 0
+    assert "group     off" in capsys.readouterr().out
+
+
+def _strip(rows):  # metrics rows without their wall-clock times
+    return [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
+
+
+def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(tmp_path, monkeypatch):
+    def flags(lr="1e-3"):  # int8, noise and a stale sampler: the rows depend on the random state and the state
+        return ["--task", "sequence", "--steps", "4", "--save-every", "2", "--staleness", "2", "--optimizer", "adam",
+                "--lr", lr, "--center", "--prompts", "2", "--group", "4", "--max-tokens", "6", "--probe-n", "8",
+                "--eval-every", "1"]
+    straight = train.main(flags() + ["--out", str(tmp_path / "a"), "--save", str(tmp_path / "a_w")])
+
+    class Killed(Exception):
+        pass
+    real = train.save_state
+
+    def save_then_die(*a):  # the state of step 2 is written, then the process dies
+        real(*a)
+        raise Killed
+    monkeypatch.setattr(train, "save_state", save_then_die)
+    with pytest.raises(Killed):
+        train.main(flags() + ["--out", str(tmp_path / "b")])
+    monkeypatch.setattr(train, "save_state", real)
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:  # a row logged after the state, then lost
+        f.write(json.dumps({"step": 2, "reward": -1.0}) + "\n")
+    with pytest.raises(SystemExit):
+        train.main(flags("2e-3") + ["--resume", str(tmp_path / "b")])  # other flags: refused
+    resumed = train.main(flags() + ["--resume", str(tmp_path / "b"), "--save", str(tmp_path / "b_w")])
+    assert resumed == straight and straight["drift"]["4"] > 0
+    rows = [[json.loads(x) for x in open(tmp_path / d / "metrics.jsonl")] for d in ("a", "b")]
+    assert _strip(rows[0]) == _strip(rows[1]) and [r["step"] for r in rows[1]] == [0, 1, 2, 3, 4]
+    a, b = (jax.tree.leaves(qwen3.load(str(tmp_path / d)).weights) for d in ("a_w", "b_w"))
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
+
+
+def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
+    import signal, subprocess, time
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
+           *tiny_argv(gsm, "--steps", "100000", "--out", str(out))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(out / "metrics.jsonl")
+                                          and len(open(out / "metrics.jsonl").readlines()) >= 3):
+        time.sleep(0.2)
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    text, _ = proc.communicate(timeout=60)
+    assert time.time() - t0 < 10 and proc.returncode == 130, text
+    assert "interrupted at step" in text and "Traceback" not in text, text
+    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]  # every line is whole
+    assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) >= 3
+
+
+def test_staleness_refreshes_the_sampler_every_s_plus_1_steps(gsm, monkeypatch):
+    calls, real = [], train.sampler_weights
+
+    def spy(w, kind, *a):
+        calls.append(kind)
+        return real(w, kind, *a)
+    monkeypatch.setattr(train, "sampler_weights", spy)
+    train.main(tiny_argv(gsm, "--steps", "5", "--eval-every", "5", "--sampler", "int8", "--staleness", "1"))
+    assert calls.count("int8") == 3, calls  # steps 0, 2, 4
+
+
+def test_micro_batch_default_fits_small_batches_and_help_shows_defaults(capsys):
+    assert train.parse_args(["--prompts", "2", "--group", "2"]).micro_batch == 4
+    assert train.parse_args(["--prompts", "32", "--group", "8"]).micro_batch == 16
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for needle in ("--seed SEED seed", "(default: 0)", "--eval-every EVAL_EVERY evaluate every N steps (default: "
+                   "gsm8k 10", "--task {gsm8k,sequence,bandit} gsm8k:", "(default: Qwen/Qwen3-0.6B)"):
+        assert needle in text, needle
+
+
+def test_lora_starts_at_the_base_and_its_gradient_is_the_chain_rule(tiny):
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    lora = train.lora_init(tiny.weights, 4, jax.random.PRNGKey(0))
+    merged = train.merge(lora, tiny.weights, 2.0)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(tiny.weights)))
+    prompt, pos = _prompts(tiny.tokenizer, 8)
+    out = train.make_sampler(tiny.cfg, 8, 4, STOP)(train.sampler_weights(tiny.weights, "int8"), prompt, pos,
+                                                    jax.random.PRNGKey(0))
+    batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 8))
+    opt = optax.sgd(1.0)  # the update is minus the gradient
+    kw = dict(center=True)
+    new, _, _ = train.make_train_step(tiny.cfg, opt, kw, 8, mesh, 2.0)(jax.tree.map(jnp.copy, lora),
+                                                                        opt.init(lora), batch, tiny.weights)
+    full, _, _ = train.make_train_step(tiny.cfg, opt, kw, 8, mesh)(jax.tree.map(jnp.copy, tiny.weights),
+                                                                   opt.init(tiny.weights), batch)
+    assert set(new) == {"q", "k", "v", "o", "gate", "up", "down"} and set(new["q"]) == {"a", "b"}
+    for name, ab in new.items():  # B = 0: dL/dA = 0 and dL/dB = scale · Aᵀ dL/dW, W's gradient from the full step
+        gw = (tiny.weights["layers"][name] - full["layers"][name]).reshape(lora[name]["a"].shape[0],
+                                                                           lora[name]["a"].shape[1], -1)
+        np.testing.assert_array_equal(ab["a"], lora[name]["a"])
+        np.testing.assert_allclose(lora[name]["b"] - ab["b"], 2.0 * jnp.einsum("lir,lio->lro", lora[name]["a"], gw),
+                                   atol=1e-5, rtol=1e-4)
+        assert float(jnp.abs(ab["b"]).max()) > 1e-4, name
+
+
+def test_lora_run_saves_merged_weights_that_transformers_reads(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    argv = ["--task", "sequence", "--lora", "4", "--lora-alpha", "8", "--optimizer", "adamw", "--lr", "0.05",
+            "--steps", "2", "--prompts", "2", "--group", "4", "--max-tokens", "6", "--probe-n", "8"]
+    train.main(argv + ["--save", str(tmp_path / "merged")])
+    saved = qwen3.load(str(tmp_path / "merged"))
+    base = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),  # as saved: bf16
+                        train.sequence_task(train.parse_args(argv)).weights)
+    changed = {k for k, x in saved.weights["layers"].items() if not np.array_equal(x, base["layers"][k])}
+    assert changed == {"q", "k", "v", "o", "gate", "up", "down"}  # every adapted projection, nothing else
+    assert np.array_equal(saved.weights["embed"], base["embed"]) and np.array_equal(saved.weights["norm"],
+                                                                                     base["norm"])
+    tokens = np.random.default_rng(0).integers(0, 8192, (2, 10))
+    ours = qwen3.forward(saved.cfg, saved.weights, jnp.array(tokens), arange_pos(2, 10))[0]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32,
+                                                            attn_implementation="eager")
+    with torch.no_grad():
+        assert np.abs(ref(torch.tensor(tokens)).logits.numpy() - np.asarray(ours)).max() < 1e-3
+
+
+@pytest.mark.parametrize("drops, finals, expected", [
+    (([0.10, 0.08], [0.01, 0.00]), ([0.40, 0.42], [0.41, 0.42]), "centring VALIDATED"),
+    (([0.10, 0.08], [0.05, 0.03]), ([0.40, 0.42], [0.41, 0.42]), "centring NOT validated"),  # centred drop 4 > 2
+    (([0.10, 0.08], [0.01, 0.00]), ([0.40, 0.42], [0.38, 0.40]), "centring NOT validated"),  # final 2 points lower
+    (([0.03, 0.02], [0.01, 0.01]), ([0.40, 0.42], [0.41, 0.42]), "WITHIN SEED NOISE"),  # 1.5 points apart
+])
+def test_verdict(drops, finals, expected):
+    runs = [{arm: dict(drop=drops[i][s], final_acc=finals[i][s]) for i, arm in enumerate(("uncentered", "centered"))}
+            for s in range(2)]
+    assert train.verdict(runs).startswith(f"verdict: {expected}")
 
 
 @pytest.mark.parametrize("argv, match", [
     (["--topk", "-1"], "--topk"),
     (["--tis-cap", "0"], "--tis-cap"),
+    (["--lr", "nan"], "--lr"),
+    (["--weight-noise", "inf"], "--weight-noise"),
+    (["--tis-cap", "nan"], "--tis-cap"),
+    (["--mis", "5,0.5"], "--mis"),
+    (["--mis", "0.5"], "--mis"),
+    (["--mis", "0.5,5", "--tis-cap", "2"], "--mis and --tis-cap"),
     (["--group", "1"], "--group"),
     (["--micro-batch", "7"], "--micro-batch"),
     (["--task", "bandit", "--save", "x"], "--save"),
-    (["--compare"], "--compare"),
+    (["--task", "sequence", "--model", "x"], "--model"),
+    (["--seeds", "0,1"], "--seeds"),
+    (["--plot", "x.png"], "--plot"),
+    (["--lora-alpha", "4"], "--lora-alpha"),
     (["--data-dir", "/nonexistent"], "--data-dir"),
     (["--steps", "0"], "--steps"),
+    (["--resume", "/nonexistent"], "--resume"),
 ])
 def test_bad_flags_fail_at_once(argv, match, capsys):
     with pytest.raises(SystemExit):
         train.parse_args(argv)
-    assert match in capsys.readouterr().err.split("error:")[1]  # the message, not the usage line
+    err = capsys.readouterr().err.split("error:")[1]
+    assert match in err and err.count("\n") == 1  # one line, the message, not the usage
+
+
+def _error(argv, capsys):  # the one line a bad run prints (parse errors on stderr, load errors as SystemExit)
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    text = (capsys.readouterr().err.split("error:")[-1] if e.value.code == 2 else str(e.value)).strip()
+    assert "\n" not in text and "Traceback" not in text
+    return text
+
+
+def test_bad_paths_fail_before_anything_is_written(tmp_path, gsm, capsys, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text("")
+    foreign = write_tiny_checkpoint(str(tmp_path / "foreign"), shards=2)
+    before = sorted(os.listdir(foreign))
+    assert "writable folder" in _error(tiny_argv(gsm, "--out", str(tmp_path / "file")), capsys)
+    assert "not empty" in _error(tiny_argv(gsm, "--out", str(tmp_path / "used")), capsys)
+    assert "--model" in _error(tiny_argv(gsm, "--save", gsm[0]), capsys)
+    assert "--save" in _error(tiny_argv(gsm, "--save", foreign), capsys)
+    assert sorted(os.listdir(foreign)) == before
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert "matplotlib" in _error(tiny_argv(gsm, "--compare", "--plot", str(tmp_path / "p.png")), capsys)
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"", "holds no problems"),
+    (b'{"question": "q", "answer": "#### 4"}\n\xff\xfe\n', "train.jsonl:2"),
+    (b'{"question": "q", "answer": "#### seventy"}\n', "train.jsonl:1"),
+])
+def test_bad_data_is_named_with_file_and_line(tmp_path, gsm, capsys, content, match):
+    data = write_gsm8k(tmp_path / "d")
+    (tmp_path / "d" / "train.jsonl").write_bytes(content)
+    msg = _error(tiny_argv(gsm, "--data-dir", data), capsys)
+    assert match in msg and "error: " in msg
+
+
+def test_trailing_blank_line_is_tolerated(tmp_path):
+    data = write_gsm8k(tmp_path / "d", n_train=2)
+    with open(os.path.join(data, "train.jsonl"), "a") as f:
+        f.write("\n")
+    assert train.gsm8k(data, "train") == [("What is 0 + 0?", "0"), ("What is 1 + 1?", "2")]
+
+
+def test_flags_checked_against_the_checkpoint_and_offline_data(tmp_path, gsm, capsys, monkeypatch):
+    assert "--topk 400" in _error(tiny_argv(gsm, "--topk", "400"), capsys)
+    assert "max_position_embeddings" in _error(tiny_argv(gsm, "--max-tokens", "600"), capsys)
+    assert "/no/such/dir" in _error(tiny_argv(gsm, "--model", "/no/such/dir"), capsys)
+
+    def offline(*a, **kw):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+    import urllib.error
+    monkeypatch.setattr(train.urllib.request, "urlretrieve", offline)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    msg = _error(["--model", gsm[0]], capsys)
+    assert "GSM8K could not be downloaded" in msg and "--data-dir" in msg
+    assert not os.path.exists(tmp_path / ".cache" / "score-centering" / "gsm8k")  # no empty cache folder left
 
 
 def test_readme_use_it_in_your_codebase_snippet_runs(capsys):
