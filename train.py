@@ -1,19 +1,22 @@
-"""'GRPO' on GSM8K, or a toy bandit, with a sampler whose numerics differ from the trainer's.
+"""'GRPO' on GSM8K, a CPU sequence task or a toy bandit, with a sampler of other numerics than the trainer's.
 
     python train.py --center                                  # Qwen3-0.6B on GSM8K, score-centred
-    python train.py                                           # the same run uncentred: watch the drift
+    python train.py --compare --out runs/gsm8k --plot gsm8k.png   # centring off, then on: same seed and noise
+    python train.py --task sequence --compare                 # drift on the LLM code path, a minute on a CPU
     python train.py --task bandit --baseline none --compare   # the mechanism in seconds, on a CPU
 
 What it is: REINFORCE with a group-mean baseline, whose rollouts come from a copy of the policy that runs with
-other numerics (bf16 / int8 / fp8, fixed weight noise, staleness), trained with `score_centering.loss`.
-How it differs from textbook GRPO, and why:
+other numerics (bf16 / int8 / fp8 weights and KV cache, fixed weight noise, staleness), trained with
+`score_centering.loss`. How it differs from textbook GRPO, and why:
 - no KL penalty to a reference model: it would pull toward the start and hide the drift under study;
 - no PPO ratio clipping: one optimizer step per batch, so the only off-policyness is the sampler mismatch;
 - a token-mean loss over the whole batch, not a mean of per-sequence means (score_centering.py, step 8);
 - advantages are rewards minus the group mean, not divided by the group's std (the paper's recipe);
 - plain SGD at a constant learning rate on float32 master weights (the paper's recipe; --optimizer adam).
 """
-import argparse, json, os, re, shutil, time, urllib.request
+import argparse, concurrent.futures, importlib.util, json, math, os, re, shutil, threading, time
+import urllib.request
+from collections import namedtuple
 from functools import partial
 
 import jax
@@ -28,90 +31,205 @@ import score_centering as sc
 TEMPERATURE = 1.0  # the sampler's; the recorded log q is the post-temperature distribution
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/%s"
 INSTRUCTION = "\nSolve the problem step by step, then give the final answer as a number on the last line."
+TASKS = ("gsm8k", "sequence", "bandit")
+TASK_DEFAULTS = dict(steps=(100, 30, 200), lr=(0.01, 0.05, 0.5), weight_noise=(0.0, 0.1, 0.5),
+                     prompts=(32, 4, 32), max_tokens=(512, 16, 1), sampler=("bf16", "int8", "bf16"),
+                     eval_every=(10, 3, 10))
+OPTIMIZERS = dict(sgd=optax.sgd, adam=optax.adam, adamw=optax.adamw)  # adamw: optax's decay 1e-4
 
 # ---------------------------------------------------------------------------------------------------------
-# flags: defaults that depend on the task are None here and resolved below
+# flags: every mistake is named in one line before any download, compile or training
+
+def csv(kind):  # "0.5,5" -> (0.5, 5.0): a comma-separated flag value
+    return lambda s: tuple(map(kind, s.split(",")))
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    a = p.add_argument_group("run").add_argument
-    a("--task", choices=["gsm8k", "bandit"], default="gsm8k")
-    a("--center", action="store_true", help="score centering: subtract the sampler-expected score")
-    a("--model", default="Qwen/Qwen3-0.6B", help="Hugging Face repo id or local checkpoint directory")
-    a("--data-dir", help="folder with GSM8K train.jsonl and test.jsonl (default: download once, cached)")
-    a("--seed", type=int, default=0)
-    a("--out", help="folder for metrics.jsonl (flushed every step) and summary.json")
-    a("--save", help="write the trained policy here as a Hugging Face checkpoint")
-    a = p.add_argument_group("RL").add_argument
-    a("--steps", type=int, help="optimizer steps (default: gsm8k 100, bandit 200)")
-    a("--prompts", type=int, default=32, help="prompts per step")
-    a("--group", type=int, default=8, help="rollouts per prompt")
-    a("--max-tokens", type=int, default=512, help="completion length cap")
-    a("--lr", type=float, help="constant learning rate (default: gsm8k 0.01, bandit 0.5)")
-    a("--optimizer", choices=["sgd", "adam"], default="sgd", help="no schedule: nothing to confound drift")
-    a("--baseline", choices=["group", "none"], default="group", help="advantage r - group mean, or raw r")
-    a("--micro-batch", type=int, default=16, help="sequences per forward/backward pass (memory)")
-    a("--topk", type=int, default=128, help="sampler head recorded per token; 0 = full distribution (exact)")
-    a("--tis-cap", type=float, help="truncated importance sampling, w = min(p/q, C) (default: off)")
-    a = p.add_argument_group("mismatch: how the sampler differs from the float32 trainer").add_argument
-    a("--sampler", choices=["bf16", "int8", "fp8"], default="bf16", help="bf16, or W8A8 fake quantisation")
-    a("--weight-noise", type=float, help="fixed relative weight noise σ (default 0); bandit: the std of a "
-                                         "fixed sampler logit offset (default 0.5)")
-    a("--staleness", type=int, default=0, help="refresh the sampler every S+1 steps; S >= steps: frozen")
-    a = p.add_argument_group("evaluation: greedy, clean bf16 sampler; bandit: log cadence").add_argument
-    a("--eval-every", type=int, default=10)
-    a("--eval-n", type=int, default=500, help="the first N GSM8K test problems")
-    a = p.add_argument_group("bandit").add_argument
-    a("--arms", type=int, default=16)
-    a("--compare", action="store_true", help="run centring off/on x online/frozen sampler; print one table")
-    a("--plot", help="with --compare: draw the drift curves into this PNG")
+
+    def flags(title):
+        group = p.add_argument_group(title)
+        def add(name, help, **kw):
+            d = TASK_DEFAULTS.get(name[2:].replace("-", "_"))
+            d = ", ".join(f"{t} {v}" for t, v in zip(TASKS, d)) if d else kw.get("default")
+            help += "" if d is None or d is False else f" (default: {d})"
+            group.add_argument(name, help=help, **kw)
+        return add
+    a = flags("run")
+    a("--task", "gsm8k: Qwen3 GRPO; sequence: a tiny Qwen3 on a CPU; bandit: the one-step toy", choices=TASKS,
+      default="gsm8k")
+    a("--center", "score centering: subtract the sampler-expected score", action="store_true")
+    a("--compare", "run centring off and on (sequence: x baseline group/none; bandit: x online/frozen "
+                   "sampler), print one table", action="store_true")
+    a("--seeds", "with --compare on gsm8k: the seeds to run, e.g. 0,1 (default: --seed)", type=csv(int))
+    a("--model", "Hugging Face repo id or local checkpoint directory (gsm8k)", default="Qwen/Qwen3-0.6B")
+    a("--data-dir", "folder with GSM8K train.jsonl and test.jsonl (default: download once, cached)")
+    a("--seed", "seed of the data order, the sampler's noise and the rollouts", type=int, default=0)
+    a("--out", "a new folder: metrics.jsonl (flushed every step), summary.json, the resumable state")
+    a("--save-every", "keep a resumable state in --out every N steps", type=int)
+    a("--resume", "continue the run in this --out folder, with the flags it was started with")
+    a("--save", "write the trained policy here as a Hugging Face checkpoint")
+    a("--plot", "with --compare: draw the curves into this PNG (needs matplotlib)")
+    a = flags("RL")
+    a("--steps", "optimizer steps", type=int)
+    a("--prompts", "prompts per step", type=int)
+    a("--group", "rollouts per prompt", type=int, default=8)
+    a("--max-tokens", "completion length cap", type=int)
+    a("--lr", "constant learning rate", type=float)
+    a("--optimizer", "no schedule: nothing to confound drift", choices=list(OPTIMIZERS), default="sgd")
+    a("--baseline", "advantage r - group mean, or raw r", choices=["group", "none"], default="group")
+    a("--micro-batch", "sequences per forward/backward pass (default: the largest divisor of the batch "
+                       "<= 16)", type=int)
+    a("--topk", "sampler head recorded per token; 0 = full distribution (exact)", type=int, default=128)
+    a("--tis-cap", "truncated importance sampling, w = min(p/q, C) (default: off)", type=float)
+    a("--mis", "masked importance sampling LO,HI: w = p/q inside the band, 0 outside (default: off)",
+      type=csv(float))
+    a("--lora", "train LoRA adapters of this rank on every projection, not the weights (default: off)",
+      type=int)
+    a("--lora-alpha", "LoRA scale alpha / rank (default: alpha = rank)", type=float)
+    a = flags("mismatch: how the sampler differs from the float32 trainer")
+    a("--sampler", "bf16, or W8A8 fake quantisation", choices=["bf16", "int8", "fp8"])
+    a("--kv-quant", "fake-quantise every K and V the sampler caches (default: off)", choices=["int8", "fp8"])
+    a("--weight-noise", "fixed relative weight noise σ; bandit: the std of a fixed sampler logit offset",
+      type=float)
+    a("--staleness", "refresh the sampler every S+1 steps; S >= steps: frozen", type=int, default=0)
+    a = flags("evaluation: greedy, clean bf16 sampler; the drift meter; bandit: the log cadence")
+    a("--eval-every", "evaluate every N steps", type=int)
+    a("--eval-n", "the first N GSM8K test problems", type=int, default=500)
+    a("--probe-n", "probe prompts of the drift meter (gsm8k: the first N test problems)", type=int,
+      default=64)
+    a("--arms", "bandit arms", type=int, default=16)
     args = p.parse_args(argv)
-    bandit = args.task == "bandit"
-    for name, for_gsm8k, for_bandit in (("steps", 100, 200), ("lr", 0.01, 0.5), ("weight_noise", 0.0, 0.5)):
-        if getattr(args, name) is None:
-            setattr(args, name, for_bandit if bandit else for_gsm8k)
-    B, devices = args.prompts * args.group, jax.local_device_count()
+    t = TASKS.index(args.task)
+    chosen = {k for k in TASK_DEFAULTS if getattr(args, k) is not None}
+    for k, d in TASK_DEFAULTS.items():
+        setattr(args, k, d[t] if getattr(args, k) is None else getattr(args, k))
+    B, devices, bandit = args.prompts * args.group, jax.local_device_count(), args.task == "bandit"
+    divisors = [d for d in range(devices, min(B, 16) + 1, devices) if B % d == 0]
+    args.micro_batch = args.micro_batch or (divisors or [B])[-1]
+    args.lora_alpha = args.lora if args.lora_alpha is None else args.lora_alpha
+    finite = lambda *xs: all(x is None or math.isfinite(x) for x in xs)  # noqa: E731
+    where = args.resume or args.out
     errors = [msg for bad, msg in [
-        (min(args.steps, args.prompts, args.group, args.max_tokens, args.eval_every, args.eval_n, args.arms,
-             args.micro_batch) < 1, "--steps, --prompts, --group, --max-tokens, --eval-every, --eval-n, "
-                                    "--arms and --micro-batch must be >= 1"),
-        (min(args.topk, args.staleness, args.weight_noise) < 0, "--topk, --staleness, --weight-noise: >= 0"),
-        (args.lr <= 0 or (args.tis_cap is not None and args.tis_cap <= 0), "--lr and --tis-cap must be > 0"),
+        (min(args.steps, args.prompts, args.group, args.max_tokens, args.eval_every, args.eval_n,
+             args.probe_n, args.arms, args.micro_batch, args.save_every or 1, args.lora or 1) < 1,
+         "--steps, --prompts, --group, --max-tokens, --eval-every, --eval-n, --probe-n, --arms, "
+         "--micro-batch, --save-every and --lora must be >= 1"),
+        (min(args.topk, args.staleness) < 0, "--topk and --staleness must be >= 0"),
+        (not finite(args.lr, args.weight_noise, args.tis_cap, args.lora_alpha) or args.weight_noise < 0
+         or any(x is not None and x <= 0 for x in (args.lr, args.tis_cap, args.lora_alpha)),
+         "--lr, --tis-cap, --lora-alpha must be finite numbers > 0 and --weight-noise >= 0"),
+        (args.mis and (len(args.mis) != 2 or not 0 <= args.mis[0] < args.mis[1]),
+         f"--mis LO,HI needs 0 <= LO < HI, got {args.mis}"),
+        (args.mis and args.tis_cap is not None, "--mis and --tis-cap are two importance weights: pick one"),
         (args.baseline == "group" and args.group < 2, "--baseline group needs --group >= 2"),
-        (bandit and (args.save or args.data_dir or args.sampler != "bf16"),
-         "--save, --data-dir and --sampler are for --task gsm8k (the bandit's mismatch is --weight-noise)"),
-        (not bandit and (args.compare or args.plot), "--compare and --plot are for --task bandit"),
+        (args.lora_alpha is not None and not args.lora, "--lora-alpha needs --lora"),
+        (bandit and bool(args.save or args.data_dir or args.lora or args.kv_quant or args.save_every
+                         or args.resume or "sampler" in chosen),
+         "--save, --data-dir, --lora, --sampler, --kv-quant, --save-every and --resume are not for --task "
+         "bandit (its mismatch is --weight-noise, and it runs in seconds)"),
+        (args.task == "sequence" and (args.data_dir or args.model != "Qwen/Qwen3-0.6B"),
+         "--data-dir and --model are for --task gsm8k (the sequence task builds its model from --seed)"),
+        (args.seeds and (not args.compare or args.task != "gsm8k"),
+         "--seeds is for --compare on --task gsm8k"),
+        (args.compare and args.save, "--save keeps one policy: drop --compare"),
         (args.plot and not args.compare, "--plot draws the --compare runs: add --compare"),
+        (args.plot and not importlib.util.find_spec("matplotlib"),
+         "--plot needs matplotlib: pip install matplotlib"),
+        (args.plot and (os.path.isdir(args.plot) or not writable(os.path.dirname(os.path.abspath(args.plot))))
+         ,
+         f"--plot {args.plot} must be a PNG file name in a writable folder"),
         (not bandit and (B % args.micro_batch or args.micro_batch % devices),
          f"--micro-batch {args.micro_batch} must divide --prompts x --group = {B} and be a multiple of the "
          f"{devices} local devices"),
         (args.data_dir and not all(os.path.isfile(f"{args.data_dir}/{s}.jsonl") for s in ("train", "test")),
          f"--data-dir {args.data_dir} must contain train.jsonl and test.jsonl"),
+        (args.resume and args.out and os.path.abspath(args.out) != os.path.abspath(args.resume),
+         "--resume DIR continues the run in DIR: drop --out or make it the same folder"),
+        (where and (os.path.isfile(where) or not writable(where)), f"{where} must be a writable folder"),
+        (args.out and not args.resume and os.path.isdir(args.out) and os.listdir(args.out),
+         f"--out {args.out} is not empty: pick a new folder, or --resume {args.out} to continue its run"),
+        (args.resume and not os.path.isfile(f"{args.resume}/run.json"),
+         f"--resume {args.resume} holds no run (run.json): pass the --out of a run"),
+        (args.save and os.path.abspath(args.save) == os.path.abspath(args.model),
+         "--save would overwrite the --model checkpoint: pick another folder"),
     ] if bad]
+    try:
+        if args.save:
+            qwen3.check_save_dir(args.save)
+    except ValueError as e:
+        errors.append(f"--save {e}")
+    if args.resume and not errors:
+        was = json.load(open(f"{args.resume}/run.json"))
+        errors += [f"--resume {args.resume} was started with --{k.replace('_', '-')} {was.get(k)}, not {v}: "
+                   "resume with the same flags" for k, v in run_config(args).items() if was.get(k) != v][:1]
     if errors:
         p.error("; ".join(errors))
+    args.out = where
     return args
+
+def writable(path):  # the nearest existing folder on the way to `path` lets us write
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.path.isdir(path) and os.access(path, os.W_OK)
+
+def run_config(args):  # the flags a resumed run must share with the run it continues
+    return {k: v for k, v in vars(args).items() if k not in ("out", "resume", "save_every", "save", "plot")}
 
 # ---------------------------------------------------------------------------------------------------------
 # logs: one fixed-width line per step; the same numbers in metrics.jsonl, flushed as they are made
 
-COLUMNS = dict(reward="{:6.3f}", acc="{:6.3f}", drift="{:6.3f}", grad_norm="{:8.2e}", kl_q_p="{:+9.2e}",
+COLUMNS = dict(reward="{:6.3f}", acc="{:6.3f}", drift="{:8.2e}", grad_norm="{:8.2e}", kl_q_p="{:+9.2e}",
                logprob_gap="{:8.2e}", entropy="{:6.3f}", length="{:6.1f}", seconds="{:6.1f}")
+LOCK, PROGRESS = threading.Lock(), {}  # held while a file is written; where the run is (for Ctrl-C)
 
 def log_step(row, steps, columns, out=None):
     cells = [f"{k} " + (COLUMNS[k].format(row[k]) if k in row else "-" * len(COLUMNS[k].format(0)))
              for k in columns]
     print(" | ".join([f"step {row['step']:>{len(str(steps))}}/{steps}", *cells]), flush=True)
     if out:
-        with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        with LOCK, open(os.path.join(out, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")
+
+def write_json(file, data):  # a temporary name, then a rename: the file is either the old one or the new
+    with LOCK:
+        with open(file + ".tmp", "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(file + ".tmp", file)
 
 def write_summary(out, summary):
     print("summary " + json.dumps(summary))
     if out:
-        with open(os.path.join(out, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+        write_json(os.path.join(out, "summary.json"), summary)
     return summary
+
+def plot(file, panels):  # panels: [(title, y label, {label: (x, y, matplotlib style)})], side by side
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.3), dpi=100, squeeze=False)
+    for ax, (title, ylabel, curves) in zip(axes[0], panels):
+        for label, (x, y, style) in curves.items():
+            ax.plot(x, y, style, label=label, lw=0.8 if style.endswith(":") else 1.5)
+        ax.set(xlabel="step", ylabel=ylabel, title=title)
+        ax.legend(fontsize=7, frameon=False)
+    fig.tight_layout()
+    fig.savefig(file)
+
+def interruptible(work):  # work() in a thread, so that Ctrl-C is honoured at once, even inside an XLA call
+    future = concurrent.futures.ThreadPoolExecutor(1).submit(work)
+    try:
+        return future.result()
+    except KeyboardInterrupt:
+        LOCK.acquire(timeout=60)  # a file being written is finished first: metrics.jsonl stays valid
+        print(f"\ninterrupted {PROGRESS.get('where', 'before the first step')}", flush=True)
+        os._exit(130)
+
+def table(rows, columns):  # {name: {column: value}} -> one fixed-width table; columns: {column: format}
+    width = {c: max(len(c), len(f.format(0))) for c, f in columns.items()}
+    print(f"{'':22s} " + " ".join(f"{c:>{width[c]}}" for c in columns))
+    for name, r in rows.items():
+        print(f"{name:22s} " + " ".join(f"{f.format(r[c]):>{width[c]}}" for c, f in columns.items()))
 
 # ---------------------------------------------------------------------------------------------------------
 # the toy bandit: the policy is a vector of K logits, the sampler's are the trainer's plus a fixed offset
@@ -119,13 +237,16 @@ def write_summary(out, summary):
 def tv(logits_a, logits_b):  # total-variation distance between two softmax distributions
     return float(0.5 * jnp.abs(jax.nn.softmax(logits_a) - jax.nn.softmax(logits_b)).sum())
 
+def loss_kw(args, center):
+    return dict(center=center, tis_cap=args.tis_cap, mis=args.mis)
+
 def bandit(args, center, staleness, out=None):
     """One run through the very same loss (T = 1). Returns the drift TV(p_t, p_0) after every step."""
     k_success, k_bias, key = jax.random.split(jax.random.PRNGKey(args.seed), 3)
     success = jax.random.uniform(k_success, (args.arms,), minval=0.45, maxval=0.55)  # a small signal
     bias = args.weight_noise * jax.random.normal(k_bias, (args.arms,))  # drawn once: a persistent bias
     B, K = args.prompts * args.group, min(args.topk or args.arms, args.arms)
-    opt = getattr(optax, args.optimizer)(args.lr)
+    opt = OPTIMIZERS[args.optimizer](args.lr)
 
     @jax.jit
     def step(theta, opt_state, sampler_logits, key):
@@ -138,9 +259,9 @@ def bandit(args, center, staleness, out=None):
         def loss(theta):
             logits = jnp.broadcast_to(theta, (B, 1, args.arms))                          # [B, T = 1, V]
             return sc.loss(logits, arms, jnp.ones((B, 1), bool), advantage(r, args), logq[arms], head_ids,
-                           head_logq, center=center, tis_cap=args.tis_cap)
+                           head_logq, **loss_kw(args, center))
         (_, m), g = jax.value_and_grad(loss, has_aux=True)(theta)
-        updates, opt_state = opt.update(g, opt_state)
+        updates, opt_state = opt.update(g, opt_state, theta)
         m = dict(m, reward=r.mean(), grad_norm=optax.tree.norm(g))
         return optax.apply_updates(theta, updates), opt_state, m
 
@@ -164,26 +285,18 @@ def run_bandit(args):
     runs = {(s, c): bandit(args, c, st) for s, st in (("online", 0), ("frozen", args.steps)) for c in (0, 1)}
     print(f"\n{args.arms} arms, sampler logit offset std {args.weight_noise}, baseline {args.baseline}, "
           f"{args.steps} steps, lr {args.lr}, seed {args.seed}; gap TV(q, p) {runs['online', 0]['gap']:.3f}")
-    print(f"{'sampler':8s} {'centring':8s} {'drift TV(p_T, p_0)':>18s} {'policy reward':>14s}")
-    for (s, c), r in runs.items():
-        print(f"{s:8s} {'on' if c else 'off':8s} {r['drift']:18.3f} {r['reward']:14.3f}")
+    table({f"{s} {'on' if c else 'off'}": r for (s, c), r in runs.items()},  # rows: sampler, centring
+          dict(drift="{:.3f}", reward="{:.3f}"))
     if args.out:
         with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
             f.writelines(json.dumps(dict(sampler=s, center=bool(c), step=i + 1, drift=d)) + "\n"
                          for (s, c), r in runs.items() for i, d in enumerate(r["curve"]))
     if args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(5.5, 3.3), dpi=100)
-        for (s, c), r in runs.items():
-            ax.plot(np.arange(1, args.steps + 1), r["curve"], "-" if s == "online" else "--",
-                    color="br"[1 - c], label=f"{s} sampler, centring {'on' if c else 'off'}")
-        ax.axhline(runs["online", 0]["gap"], color="gray", lw=0.8, ls=":", label="sampler gap at start")
-        ax.set(xlabel="step", ylabel="drift  TV(p_t, p_0)", title="Toy bandit, raw rewards")
-        ax.legend(fontsize=7, frameon=False)
-        fig.tight_layout()
-        fig.savefig(args.plot)
+        x = np.arange(1, args.steps + 1)
+        curves = {f"{s} sampler, centring {'on' if c else 'off'}": (x, runs[s, c]["curve"], "rb"[c] + line)
+                  for s, line in (("online", "-"), ("frozen", "--")) for c in (0, 1)}
+        curves["sampler gap at start"] = (x[[0, -1]], [runs["online", 0]["gap"]] * 2, "k:")
+        plot(args.plot, [("Toy bandit, raw rewards", "drift  TV(p_t, p_0)", curves)])
     return write_summary(args.out, {f"{s}_{'centered' if c else 'uncentered'}": {k: v for k, v in r.items()
                                     if k != "curve"} for (s, c), r in runs.items()})
 
@@ -191,7 +304,9 @@ def advantage(r, args):  # r [P * G] -> [P * G]: minus the mean of its group of 
     return (r - r.reshape(-1, args.group).mean(1).repeat(args.group)) if args.baseline == "group" else r
 
 # ---------------------------------------------------------------------------------------------------------
-# GSM8K: data and reward
+# the tasks: a model, training and test prompts (token lists) with their gold, and a reward of token ids
+
+Task = namedtuple("Task", "cfg weights eos pad train test probe reward path")
 
 def gsm8k(data_dir, split):
     """[(question, gold answer)] of one split, downloaded once (with progress) when there is no data_dir."""
@@ -200,18 +315,28 @@ def gsm8k(data_dir, split):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         progress = lambda n, size, total: print(  # noqa: E731
             f"\rdownloading GSM8K {split}: {min(n * size, total) / 1e6:.1f} / {total / 1e6:.1f} MB", end="")
-        urllib.request.urlretrieve(GSM8K_URL % f"{split}.jsonl", path + ".part", progress)
+        try:
+            urllib.request.urlretrieve(GSM8K_URL % f"{split}.jsonl", path + ".part", progress)
+        except OSError as e:
+            shutil.rmtree(os.path.dirname(path)) if not os.listdir(os.path.dirname(path)) else None
+            raise ValueError(f"GSM8K could not be downloaded from GitHub ({getattr(e, 'reason', e)}): pass "
+                             "--data-dir with train.jsonl and test.jsonl") from None
         os.replace(path + ".part", path)
         print()
     problems = []
-    with open(path) as f:
+    with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             try:
-                row = json.loads(line)
-                problems.append((row["question"], normalise(row["answer"].split("####")[1])))
-            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+                if line.strip():  # blank lines (a trailing one, say) are not problems
+                    row = json.loads(line.decode("utf-8"))
+                    gold = normalise(row["answer"].split("####")[1])
+                    assert re.fullmatch(r"-?\d+(\.\d+)?", gold), f"the gold answer {gold!r} is not a number"
+                    problems.append((row["question"], gold))
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError, AssertionError) as e:
                 raise ValueError(f"{path}:{n}: not a GSM8K line with a 'question' and an 'answer' ending in "
                                  f"'#### <number>' ({type(e).__name__}: {e})") from None
+    if not problems:
+        raise ValueError(f"{path} holds no problems: pass --data-dir with GSM8K's train.jsonl and test.jsonl")
     return problems
 
 def normalise(number):  # "$1,234.50" -> "1234.5", "18.0" -> "18"
@@ -222,17 +347,47 @@ def reward(completion, gold):  # 1 when the completion's last number is the gold
     numbers = re.findall(r"-?\$?\d[\d,]*(?:\.\d+)?", completion)
     return float(bool(numbers) and normalise(numbers[-1]) == gold)
 
-def left_pad(prompts, pad_id, multiple=32):
-    """Token lists -> tokens, positions [B, T0] left-padded (position -1); T0 rounded up: fewer compiles."""
-    T0 = -(-max(map(len, prompts)) // multiple) * multiple
-    tokens, pos = np.full((len(prompts), T0), pad_id, np.int32), np.full((len(prompts), T0), -1, np.int32)
-    for b, p in enumerate(prompts):
-        tokens[b, T0 - len(p):], pos[b, T0 - len(p):] = p, np.arange(len(p))
-    return tokens, pos
+def gsm8k_task(args):
+    train_set, test_set = gsm8k(args.data_dir, "train"), gsm8k(args.data_dir, "test")
+    model = qwen3.load(args.model)
+    cfg, tok = model.cfg, model.tokenizer
+    V, positions = cfg["vocab_size"], cfg.get("max_position_embeddings", math.inf)
+    for bad, msg in [(tok is None, f"{args.model} has no tokenizer files (vocab.json or tokenizer.json)"),
+                     (args.topk > V, f"--topk {args.topk} exceeds the {V} tokens of {args.model}"),
+                     (args.topk == 0 and V > 4096, f"--topk 0 records q over all {V} tokens: use --topk 128"),
+                     (args.max_tokens >= positions, f"--max-tokens {args.max_tokens} reaches past the "
+                                                    f"{positions} positions of the model")]:
+        if bad:
+            raise ValueError(msg)
+    prompts = lambda problems: [(tok.chat(q + INSTRUCTION), gold) for q, gold in problems]  # noqa: E731
+    ids = lambda row: [t for t in row if t not in tok.eos_ids]  # noqa: E731  (the text ends at its EOS)
+    return Task(cfg, model.weights, tok.eos_ids, tok.pad_id, prompts(train_set),
+                prompts(test_set[:args.eval_n]),
+                [p for p, _ in prompts(test_set[:args.probe_n])],
+                lambda row, gold: reward(tok.decode(ids(row)), gold), model.path)
+
+SEQUENCE = dict(model_type="qwen3", vocab_size=8192, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=256, tie_word_embeddings=True)
+SHARPEN = 6.0  # the final norm's weight: entropy ~1.5 nats and top-128 mass > 0.99, like a trained LM's
+
+def sequence_task(args):
+    """A tiny Qwen3 from the seed; the reward is the fraction of completion tokens in the lower half of V."""
+    cfg, rng = dict(SEQUENCE), np.random.default_rng(args.seed)
+    V, (top, layers) = cfg["vocab_size"], qwen3.layout(cfg)
+    init = lambda shape, fan_in: rng.standard_normal(shape, np.float32) * fan_in ** -0.5  # noqa: E731
+    w = {k: np.full(s, SHARPEN if k == "norm" else 1, np.float32) if len(s) == 1 else init(s, s[-1])
+         for k, (_, _, s) in top.items()}
+    L = cfg["num_hidden_layers"]
+    w["layers"] = {k: np.ones((L, *s), np.float32) if len(s) == 1 else
+                   init((L, *s), math.prod(s[:len(INPUT_AXES[k])])) for k, (_, _, s) in layers.items()}
+    prompts = rng.integers(0, V, (512 + args.probe_n, 8)).tolist()  # 512 to train on, then the probe
+    return Task(cfg, jax.tree.map(jnp.asarray, w), (-1,), 0, [(p, None) for p in prompts[:512]], [],
+                prompts[512:], lambda row, gold: float(np.mean(np.array(row) < V // 2)), None)
 
 # ---------------------------------------------------------------------------------------------------------
-# the sampler: a bf16 copy of the trainer's weights with its own numerics (W8A8, noise), and jitted
-# KV-cache decoding that records what score_centering.loss needs
+# the sampler: a bf16 copy of the trainer's weights with its own numerics (W8A8, noise, a quantised KV cache),
+# and jitted KV-cache decoding that records what score_centering.loss needs
 
 INPUT_AXES = dict(q=(1,), k=(1,), v=(1,), o=(1, 2), gate=(1,), up=(1,), down=(1,), embed=(1,), lm_head=(1,))
 
@@ -243,8 +398,15 @@ def fake_quant(x, axes, kind):  # symmetric, one scale per slice reduced over `a
     y = y.astype(jnp.float8_e4m3fn) if kind == "fp8" else jnp.clip(jnp.round(y), -qmax, qmax)
     return (y.astype(jnp.float32) * scale).astype(x.dtype)
 
+def kv_quant(kind):  # K, V [B, T, K, H] as a quantised cache keeps them: int8 per token and head; fp8 e4m3
+    if kind == "int8":
+        return lambda a: fake_quant(a, (3,), "int8")
+    fp8 = lambda a: jnp.clip(a.astype(jnp.float32), -448, 448).astype(jnp.float8_e4m3fn)  # noqa: E731
+    return kind and (lambda a: fp8(a).astype(a.dtype))
+
+@partial(jax.jit, static_argnums=(1, 2))
 def sampler_weights(w, kind, sigma=0.0, key=None):
-    """bf16 copy of w ⊙ (1 + σε), ε ~ N(0, 1) from `key`: the same at every refresh, a persistent bias."""
+    """bf16 copy of w ⊙ (1 + σε), ε ~ N(0, 1) from `key`: the same at each refresh, a persistent bias."""
     if sigma:
         leaves, tree = jax.tree.flatten(w)
         keys = jax.random.split(key, len(leaves))
@@ -262,11 +424,23 @@ def quant_mm(kind):  # W8A8: the activation is fake-quantised per token (over th
         return jnp.einsum(spec, fake_quant(x, per_token, kind), w)
     return jnp.einsum if kind == "bf16" else mm
 
-def make_sampler(cfg, max_tokens, topk, eos_ids, mm=jnp.einsum, dtype=jnp.bfloat16, greedy=False):
+def categorical(key, logq, block=128):
+    """y ~ q [B, V] by inverse CDF, a block of ids then an id in it: two uniforms a row, not V Gumbels."""
+    B, V = logq.shape
+    p = jnp.pad(jnp.exp(logq), ((0, 0), (0, -V % block))).reshape(B, -1, block)   # [B, V / block, block]
+    def pick(key, w):  # i with probability w_i / Σ w; rounding never reaches past the last w_i > 0
+        c = jnp.cumsum(w, -1)
+        i = (c <= jax.random.uniform(key, (B, 1)) * c[:, -1:]).sum(-1)
+        return jnp.minimum(i, w.shape[-1] - 1 - jnp.argmax(w[:, ::-1] > 0, -1))
+    k_block, k_id = jax.random.split(key)
+    i = pick(k_block, p.sum(-1))
+    return i * block + pick(k_id, jnp.take_along_axis(p, i[:, None, None], 1)[:, 0])
+
+def make_sampler(cfg, max_tokens, topk, eos_ids, mm=jnp.einsum, dtype=jnp.bfloat16, greedy=False, kv=None):
     """fn(weights, prompt [B, T0], pos [B, T0], key) -> dict of tokens, logq, mask [B, M] and the head
     head_ids, head_logq [B, M, K]: log q after temperature, normalised over the full vocabulary (topk = 0:
     the full [B, M, V] log q, no ids). Prefills once, then one token a step until every row ended its turn."""
-    fwd, eos = partial(qwen3.forward, cfg, mm=mm, dtype=dtype), jnp.array(eos_ids)
+    fwd, eos = partial(qwen3.forward, cfg, mm=mm, dtype=dtype, kv_quant=kv), jnp.array(eos_ids)
 
     def sample(w, prompt, pos, key):
         B, T0 = prompt.shape
@@ -280,7 +454,7 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, mm=jnp.einsum, dtype=jnp.bfloat
             i, logits, kv, done, out, key = carry
             key, k_sample = jax.random.split(key)
             logq = jax.nn.log_softmax(logits[:, -1] / TEMPERATURE)                          # [B, V]
-            y = jnp.argmax(logq, -1) if greedy else jax.random.categorical(k_sample, logq)  # [B]
+            y = jnp.argmax(logq, -1) if greedy else categorical(k_sample, logq)            # [B]
             rec = dict(tokens=y, logq=jnp.take_along_axis(logq, y[:, None], -1)[:, 0], mask=~done,
                        head_logq=logq)
             rec |= dict(zip(("head_logq", "head_ids"), jax.lax.top_k(logq, topk))) if topk else {}
@@ -292,8 +466,25 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, mm=jnp.einsum, dtype=jnp.bfloat
         return jax.lax.while_loop(running, body, (0, logits, kv, jnp.zeros(B, bool), out, key))[4]
     return jax.jit(sample)
 
+def left_pad(prompts, pad_id, multiple=32):
+    """Token lists -> tokens, positions [B, T0] left-padded (position -1); T0 rounded up: fewer compiles."""
+    T0 = -(-max(map(len, prompts)) // multiple) * multiple
+    tokens, pos = np.full((len(prompts), T0), pad_id, np.int32), np.full((len(prompts), T0), -1, np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, T0 - len(p):], pos[b, T0 - len(p):] = p, np.arange(len(p))
+    return tokens, pos
+
+def generate(sampler, w, prompts, pad_id, key, data, n):  # every prompt, n rows (one program) a call
+    prompt, pos = left_pad(prompts, pad_id)
+    extra = -len(prompts) % n  # the last call is padded with copies of the first prompt
+    prompt, pos = (np.concatenate([x, np.repeat(x[:1], extra, 0)]) for x in (prompt, pos))
+    outs = [jax.device_get(sampler(w, *jax.device_put((prompt[i:i + n], pos[i:i + n]), data),
+                                   jax.random.fold_in(key, i))) for i in range(0, len(prompt), n)]
+    return {k: np.concatenate([o[k] for o in outs])[:len(prompts)] for k in outs[0]} | dict(
+        prompt=prompt[:len(prompts)], pos=pos[:len(prompts)])
+
 # ---------------------------------------------------------------------------------------------------------
-# the train step: the trainer's logits on prompt + completion, then score_centering.loss
+# the trainer: float32 logits on prompt + completion, score_centering.loss, optionally LoRA adapters
 
 def completion_logits(cfg, w, prompt, pos, tokens):
     """The trainer's float32 logits [B, M, V] at the positions that predicted the completion tokens [B, M]."""
@@ -303,98 +494,245 @@ def completion_logits(cfg, w, prompt, pos, tokens):
         logits = qwen3.forward(cfg, w, jnp.concatenate([prompt, tokens], 1), seq_pos, last=M + 1)[0]
     return logits[:, :-1] / TEMPERATURE  # the logits at position t predict token t + 1
 
-def make_train_step(cfg, opt, center, tis_cap, micro_batch, mesh):
-    """fn(weights, opt_state, batch) -> (weights, opt_state, metrics); batch: the sampler's record plus
-    prompt, pos [B, T0] and adv [B]. Gradients accumulate over micro-batches, each spread over the mesh's data
-    axis, and the loss is the token mean over the whole batch: the same numbers as one large batch."""
-    def token_sum_loss(w, b):
-        logits = completion_logits(cfg, w, b["prompt"], b["pos"], b["tokens"])
+def token_logp(cfg, w, b):  # the trainer's log p [B, M] of the completion tokens of b
+    logp = jax.nn.log_softmax(completion_logits(cfg, w, b["prompt"], b["pos"], b["tokens"]))
+    return jnp.take_along_axis(logp, b["tokens"][..., None], -1)[..., 0]
+
+def lora_init(w, rank, key):  # A ~ N(0, 1/fan-in), B = 0: the merged model starts exactly at the base
+    def init(key, x, n_in):  # x [L, in..., out...]
+        fan_in = math.prod(x.shape[1:1 + n_in])
+        return dict(a=jax.random.normal(key, (x.shape[0], fan_in, rank)) * fan_in ** -0.5,
+                    b=jnp.zeros((x.shape[0], rank, x[0].size // fan_in)))
+    names = ("q", "k", "v", "o", "gate", "up", "down")  # every attention and MLP projection
+    return {n: init(k, w["layers"][n], len(INPUT_AXES[n])) for n, k in zip(names, jax.random.split(key, 7))}
+
+def merge(params, base, scale):  # the policy's weights: base + scale · A B per projection (no base: params)
+    if base is None:
+        return params
+    delta = lambda x, ab: scale * jnp.einsum("lir,lro->lio", ab["a"], ab["b"]).reshape(x.shape)  # noqa: E731
+    return dict(base, layers={k: x + delta(x, params[k]) if k in params else x
+                              for k, x in base["layers"].items()})
+
+def make_train_step(cfg, opt, loss_kw, micro_batch, mesh, lora_scale=None):
+    """fn(params, opt_state, batch, base=None) -> (params, opt_state, metrics); params are the weights, or
+    LoRA adapters on the frozen `base`; batch: the sampler's record plus prompt, pos [B, T0] and adv [B].
+    Gradients accumulate over micro-batches, each spread over the mesh's data axis, and the loss is the token
+    mean over the whole batch: the same numbers as one large batch."""
+    def token_sum_loss(params, base, b):
+        logits = completion_logits(cfg, merge(params, base, lora_scale), b["prompt"], b["pos"], b["tokens"])
         loss, metrics = sc.loss(logits, b["tokens"], b["mask"], b["adv"], b["logq"], b.get("head_ids"),
-                                b["head_logq"], center=center, tis_cap=tis_cap)
+                                b["head_logq"], **loss_kw)
         return loss * b["mask"].sum(), (metrics, b["mask"].sum())  # token sums, divided by N below
 
-    def step(w, opt_state, batch):
+    def step(params, opt_state, batch, base=None):
         def accumulate(grads, b):
-            (loss, (metrics, n)), g = jax.value_and_grad(token_sum_loss, has_aux=True)(w, b)
+            (loss, (metrics, n)), g = jax.value_and_grad(token_sum_loss, has_aux=True)(params, base, b)
             return jax.tree.map(jnp.add, grads, g), (loss, metrics, n)
         split = lambda x: jax.lax.with_sharding_constraint(  # noqa: E731  [B, ...] -> [B / mb, mb, ...]
             x.reshape(micro_batch, -1, *x.shape[1:]).swapaxes(0, 1), NamedSharding(mesh, P(None, "data")))
-        zeros = jax.tree.map(jnp.zeros_like, w)
+        zeros = jax.tree.map(jnp.zeros_like, params)
         grads, (loss, metrics, n) = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
         N = jnp.maximum(n.sum(), 1)
         grads = jax.tree.map(lambda g: g / N, grads)
-        updates, opt_state = opt.update(grads, opt_state, w)
+        updates, opt_state = opt.update(grads, opt_state, params)
         metrics = dict({k: (v * n).sum() / N for k, v in metrics.items()}, loss=loss.sum() / N,
                        grad_norm=optax.tree.norm(grads))
-        return optax.apply_updates(w, updates), opt_state, metrics
-    return jax.jit(step, donate_argnums=(0, 1))
+        return optax.apply_updates(params, updates), opt_state, metrics
+    # outputs replicated, as the inputs came: the second step does not compile again
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=NamedSharding(mesh, P()))
 
 # ---------------------------------------------------------------------------------------------------------
-# GSM8K GRPO
+# one GRPO run: evaluation and the drift meter, rollouts, the train step, a resumable state
 
-def rollouts(sampler, w, tok, problems, key, data):  # sample (rows split over devices), decode, reward
-    prompt, pos = jax.device_put(left_pad([tok.chat(q + INSTRUCTION) for q, _ in problems], tok.pad_id), data)
-    out = jax.device_get(sampler(w, prompt, pos, key))
-    texts = [tok.decode([t for t, m in zip(*row) if m and t not in tok.eos_ids])
-             for row in zip(out["tokens"], out["mask"])]
-    return dict(out, prompt=prompt, pos=pos), np.array([reward(t, g) for t, (_, g) in zip(texts, problems)])
+def save_state(file, hist, *trees):  # float32 leaves (bf16 ones widened exactly), then an atomic rename
+    leaves = [np.asarray(x, np.float32 if x.dtype == jnp.bfloat16 else x.dtype)
+              for x in jax.tree.leaves(trees)]
+    with LOCK:
+        with open(file + ".tmp", "wb") as f:
+            np.savez(f, hist=np.array(json.dumps(hist)), **{f"a{i}": x for i, x in enumerate(leaves)})
+        os.replace(file + ".tmp", file)
 
-def evaluate(args, evaluator, w, tok, problems, data):  # greedy accuracy, in batches of --prompts x --group
-    n, w, key = args.prompts * args.group, sampler_weights(w, "bf16"), jax.random.PRNGKey(0)  # key: unused
-    chunks = [problems[i:i + n] for i in range(0, len(problems), n)]  # each padded to n rows: one program
-    scores = [rollouts(evaluator, w, tok, c + c[:1] * (n - len(c)), key, data)[1][:len(c)] for c in chunks]
-    return float(np.concatenate(scores).mean())
+def load_state(file, sharding, *trees):  # the trees as saved, shaped and typed like these templates
+    with np.load(file) as z:
+        leaves, tree = jax.tree.flatten(trees)
+        if len(z.files) != len(leaves) + 1 or any(z[f"a{i}"].shape != x.shape for i, x in enumerate(leaves)):
+            raise ValueError(f"{file} does not match this run (model, --lora, --optimizer, --staleness)")
+        arrays = [jax.device_put(z[f"a{i}"].astype(x.dtype), sharding) for i, x in enumerate(leaves)]
+        return json.loads(str(z["hist"])), tree.unflatten(arrays)
+
+def drift_meter(logp, probe, w0, micro_batch):
+    """fn(w) -> token mean of log p_0(y) - log p_w(y) over the probe completions: KL(p_0 || p_w) estimated."""
+    def probe_logp(w):  # [B, M], micro_batch rows a call
+        rows = range(0, len(probe["tokens"]), micro_batch)
+        return np.concatenate([logp(w, {k: x[i:i + micro_batch] for k, x in probe.items()}) for i in rows])
+    logp0, mask = probe_logp(w0), probe["mask"]
+    return lambda w: float(((logp0 - probe_logp(w)) * mask).sum() / max(mask.sum(), 1))
+
+def build(args, task):  # the jitted functions, compiled once and shared by every run of a --compare
+    cfg, mesh = task.cfg, Mesh(np.array(jax.devices()), ("data",))
+    opt, scale = OPTIMIZERS[args.optimizer](args.lr), args.lora and args.lora_alpha / args.lora
+    return dict(mesh=mesh, opt=opt, scale=scale, logp=jax.jit(partial(token_logp, cfg)),
+                steps={c: make_train_step(cfg, opt, loss_kw(args, c), args.micro_batch, mesh, scale)
+                       for c in (False, True)},
+                sampler=make_sampler(cfg, args.max_tokens, args.topk, task.eos, quant_mm(args.sampler),
+                                     kv=kv_quant(args.kv_quant)),
+                evaluator=make_sampler(cfg, args.max_tokens, 1, task.eos, greedy=True),
+                prober=make_sampler(cfg, args.max_tokens, 1, task.eos))
+
+def run(args, task, fn, center, seed, out):
+    """One GRPO run into `out` (resumed from its state when there is one); returns its summary."""
+    if out and os.path.exists(os.path.join(out, "summary.json")):  # a --resume of a finished run
+        return json.load(open(os.path.join(out, "summary.json")))
+    cfg, n, opt, scale = task.cfg, args.prompts * args.group, fn["opt"], fn["scale"]
+    data, replicated = NamedSharding(fn["mesh"], P("data")), NamedSharding(fn["mesh"], P())  # rows split
+    key, noise_key, probe_key, lora_key = jax.random.split(jax.random.PRNGKey(seed), 4)
+    base = jax.device_put(jax.tree.map(jnp.copy, task.weights), replicated)  # a copy: the step donates it
+    params = jax.device_put(lora_init(base, args.lora, lora_key), replicated) if args.lora else base
+    base = base if args.lora else None
+    # the drift meter: probe completions drawn once from the initial policy, clean bf16, temperature 1
+    w0 = merge(params, base, scale)
+    probe = generate(fn["prober"], sampler_weights(w0, "bf16"), task.probe, task.pad, probe_key, data, n)
+    drift = drift_meter(fn["logp"], {k: probe[k] for k in ("prompt", "pos", "tokens", "mask")}, w0,
+                        args.micro_batch)
+    opt_state, w_sampler = jax.device_put(opt.init(params), replicated), None
+    hist = dict(step=0, acc={}, drift={}, kl_q_p=[], reward=[])
+    state_file = out and os.path.join(out, "state.npz")
+    if out and os.path.exists(state_file):
+        stale = sampler_weights(w0, "bf16") if args.staleness else None  # the sampler's copy, as it was
+        hist, (params, opt_state, w_sampler) = load_state(state_file, replicated, params, opt_state, stale)
+        print(f"resumed {out} at step {hist['step']}", flush=True)
+    if out:  # rows past the saved state belong to the interrupted run: they are logged again below
+        rows = open(os.path.join(out, "metrics.jsonl")).readlines() if hist["step"] else []
+        with LOCK, open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.writelines(r for r in rows if json.loads(r)["step"] < hist["step"])
+    order = np.random.default_rng(seed).permutation(len(task.train))
+    columns = [c for c in COLUMNS if c != "acc" or task.test]
+    for step in range(hist["step"], args.steps + 1):
+        saved = f"; its state at step {hist['step']} resumes with --resume {out}" if hist["step"] else ""
+        PROGRESS["where"] = f"at step {step} of {out or 'a run without --out'}{saved}"
+        row, w = {"step": step}, merge(params, base, scale)
+        if step % args.eval_every == 0 or step == args.steps:
+            hist["drift"][str(step)] = row["drift"] = drift(w)
+            if task.test:
+                res = generate(fn["evaluator"], sampler_weights(w, "bf16"), [p for p, _ in task.test],
+                               task.pad, key, data, n)
+                hist["acc"][str(step)] = row["acc"] = float(np.mean(
+                    [task.reward(t[m], g) for t, m, (_, g) in zip(res["tokens"], res["mask"], task.test)]))
+        if step < args.steps:
+            t0 = time.perf_counter()
+            if step % (args.staleness + 1) == 0:
+                w_sampler = sampler_weights(w, args.sampler, args.weight_noise, noise_key)
+            problems = [task.train[order[(step * args.prompts + i // args.group) % len(order)]]
+                        for i in range(n)]  # each prompt --group times
+            batch = generate(fn["sampler"], w_sampler, [p for p, _ in problems], task.pad,
+                             jax.random.fold_in(key, step), data, n)
+            r = np.array([task.reward(t[m], g)
+                          for t, m, (_, g) in zip(batch["tokens"], batch["mask"], problems)])
+            t1 = time.perf_counter()
+            batch["adv"] = advantage(r.astype(np.float32), args)
+            params, opt_state, m = fn["steps"][center](params, opt_state, jax.device_put(batch, data), base)
+            row |= {k: float(v) for k, v in m.items()} | dict(
+                reward=float(r.mean()), length=float(batch["mask"].sum(1).mean()), sample_seconds=t1 - t0,
+                train_seconds=time.perf_counter() - t1, seconds=time.perf_counter() - t0)
+            hist["kl_q_p"].append(row["kl_q_p"])
+            hist["reward"].append(row["reward"])
+        log_step(row, args.steps, columns, out)
+        if out and args.save_every and step < args.steps and (step + 1) % args.save_every == 0:
+            hist["step"] = step + 1
+            save_state(state_file, hist, params, opt_state, w_sampler if args.staleness else None)
+    final = str(args.steps)
+    summary = dict(drift=hist["drift"], final_drift=hist["drift"][final],
+                   mean_kl_q_p=float(np.mean(hist["kl_q_p"])),
+                   reward=float(np.mean(hist["reward"][-5:])))  # the last 5 steps' mean training reward
+    if task.test:
+        peak = max(hist["acc"].values())
+        summary |= dict(eval_acc=hist["acc"], peak_acc=peak, final_acc=hist["acc"][final],
+                        drop=peak - hist["acc"][final])
+    if args.save:
+        qwen3.save(args.save, cfg, jax.device_get(merge(params, base, scale)))
+        for f in os.listdir(task.path) if task.path else []:  # the tokenizer files travel with the weights
+            if f.endswith((".json", ".txt")) and f not in ("config.json", "model.safetensors.index.json"):
+                shutil.copy(os.path.join(task.path, f), args.save)
+    return write_summary(out, summary)
+
+# ---------------------------------------------------------------------------------------------------------
+# GSM8K side by side over seeds, with the verdict; the sequence task's 2 x 2
+
+def verdict(runs):  # runs [{"uncentered": summary, "centered": summary}] over seeds -> one line
+    mean = lambda arm, k: 100 * float(np.mean([r[arm][k] for r in runs]))  # noqa: E731  (in points)
+    du, dc, fu, fc = mean("uncentered", "drop"), mean("centered", "drop"), mean("uncentered", "final_acc"), \
+        mean("centered", "final_acc")
+    facts = (f"drop {dc:.1f} points centred vs {du:.1f} uncentred, final accuracy {fc:.1f} vs {fu:.1f} "
+             f"(means over {len(runs)} seed{'s' * (len(runs) > 1)})")
+    if dc <= 2 and du - dc >= 3 and fc >= fu - 1.5:
+        return "verdict: centring VALIDATED: " + facts
+    if abs(du - dc) < 3:
+        return "verdict: WITHIN SEED NOISE (drops differ by < 3 points): " + facts
+    return ("verdict: centring NOT validated (needs a drop <= 2 points, >= 3 smaller than uncentred, and a "
+            "final accuracy at most 1.5 below): " + facts)
+
+def compare(args, task):
+    if args.task == "sequence":
+        arms = {f"{b}_{c}entered": (argparse.Namespace(**vars(args) | dict(baseline=b)), c == "c", args.seed)
+                for b in ("group", "none") for c in ("unc", "c")}
+    else:
+        arms = {f"{c}entered" + (f"_seed{s}" if len(args.seeds or [0]) > 1 else ""): (args, c == "c", s)
+                for s in args.seeds or [args.seed] for c in ("unc", "c")}
+    res, fn = {}, build(args, task)
+    for name, (a, center, seed) in arms.items():
+        print(f"\n---- {name}", flush=True)
+        out = args.out and os.path.join(args.out, name)
+        if out:
+            os.makedirs(out, exist_ok=True)
+        res[name] = run(a, task, fn, center, seed, out)
+    print(f"\n{task.cfg['num_hidden_layers']}-layer Qwen3, --sampler {args.sampler}, --kv-quant "
+          f"{args.kv_quant}, --weight-noise {args.weight_noise}, --staleness {args.staleness}, {args.steps} "
+          f"steps, lr {args.lr}")
+    if args.task == "sequence":  # rows: baseline, centring
+        table({f"{k.split('_')[0]} {'on' if k.endswith('_centered') else 'off'}": r for k, r in res.items()},
+              dict(final_drift="{:.2e}", reward="{:.3f}"))
+        summary = {k: dict(drift=r["final_drift"], drift_curve=list(r["drift"].values()), reward=r["reward"])
+                   for k, r in res.items()}
+    else:
+        arms = [[k for k in res if k.startswith(arm)] for arm in ("unc", "cent")]  # seed by seed
+        by_seed = [dict(uncentered=res[u], centered=res[c]) for u, c in zip(*arms)]
+        columns = dict(peak_acc="{:.3f}", final_acc="{:.3f}", drop="{:.3f}", final_drift="{:.2e}",
+                       mean_kl_q_p="{:+.2e}")
+        table(res | {f"mean {arm}": {k: np.mean([r[arm][k] for r in by_seed]) for k in columns}
+                     for arm in ("uncentered", "centered")}, columns)
+        summary = dict(res, verdict=verdict(by_seed))
+        print(summary["verdict"])
+    if args.plot:
+        color = lambda k: "b" if "_centered" in "_" + k else "r"  # noqa: E731  (then a line style per arm)
+        style = lambda k: color(k) + ("-", "--", "-.", ":")[[j for j in res if color(j) == color(k)].index(k)]
+        curves = lambda key, arms: {k: (list(map(int, res[k][key])), list(res[k][key].values()), style(k))
+                                    for k in arms}  # noqa: E731
+        drift = "drift  KL(p_0 || p_t) on the probe"
+        plot(args.plot, [(f"GRPO, {title}", drift, curves("drift", [k for k in res if k.startswith(prefix)]))
+                         for prefix, title in (("group", "group baseline"), ("none", "raw rewards"))]
+             if args.task == "sequence" else
+             [("GSM8K", "greedy accuracy", curves("eval_acc", res)), ("GSM8K", drift, curves("drift", res))])
+    return write_summary(args.out, summary)
 
 def main(argv=None):
     args = parse_args(argv)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        open(os.path.join(args.out, "metrics.jsonl"), "w").close()
+        if not args.resume:
+            write_json(os.path.join(args.out, "run.json"), run_config(args))
     print("config " + json.dumps(vars(args)), flush=True)
-    if args.task == "bandit":
-        return run_bandit(args)
-    train_set, test_set = gsm8k(args.data_dir, "train"), gsm8k(args.data_dir, "test")[:args.eval_n]
-    model = qwen3.load(args.model)
-    cfg, tok = model.cfg, model.tokenizer
-    if tok is None or (args.topk == 0 and cfg["vocab_size"] > 4096):
-        raise SystemExit(f"{args.model} has no tokenizer files" if tok is None else
-                         f"--topk 0 records q over all {cfg['vocab_size']} tokens a step: use --topk 128")
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    data = NamedSharding(mesh, P("data"))  # rollouts and batches are split over all devices, row-wise
-    w = jax.device_put(model.weights, NamedSharding(mesh, P()))  # the weights replicated
-    opt = getattr(optax, args.optimizer)(args.lr)
-    opt_state, (key, noise_key) = opt.init(w), jax.random.split(jax.random.PRNGKey(args.seed))
-    train_step = make_train_step(cfg, opt, args.center, args.tis_cap, args.micro_batch, mesh)
-    sampler = make_sampler(cfg, args.max_tokens, args.topk, tok.eos_ids, quant_mm(args.sampler))
-    evaluator = make_sampler(cfg, args.max_tokens, 1, tok.eos_ids, greedy=True)
-    order, accs = np.random.default_rng(args.seed).permutation(len(train_set)), {}
-    for step in range(args.steps + 1):
-        row = {"step": step}
-        if step % args.eval_every == 0 or step == args.steps:
-            accs[step] = row["acc"] = evaluate(args, evaluator, w, tok, test_set, data)
-        if step < args.steps:
-            t0 = time.perf_counter()
-            if step % (args.staleness + 1) == 0:
-                w_sampler = sampler_weights(w, args.sampler, args.weight_noise, noise_key)
-            problems = [train_set[order[(step * args.prompts + i) % len(order)]] for i in range(args.prompts)]
-            batch, r = rollouts(sampler, w_sampler, tok, [p for p in problems for _ in range(args.group)],
-                                jax.random.fold_in(key, step), data)
-            t1 = time.perf_counter()
-            batch["adv"] = advantage(r.astype(np.float32), args)
-            w, opt_state, m = train_step(w, opt_state, jax.device_put(batch, data))
-            row |= {k: float(v) for k, v in m.items()} | dict(
-                reward=float(r.mean()), length=float(batch["mask"].sum(1).mean()), sample_seconds=t1 - t0,
-                train_seconds=time.perf_counter() - t1, seconds=time.perf_counter() - t0)
-        log_step(row, args.steps, [c for c in COLUMNS if c != "drift"], args.out)
-    peak = max(accs.values())
-    summary = dict(eval_acc={str(k): v for k, v in accs.items()}, peak_acc=peak, final_acc=accs[args.steps],
-                   drop=peak - accs[args.steps])
-    if args.save:
-        qwen3.save(args.save, cfg, jax.device_get(w))
-        for f in os.listdir(model.path):  # the tokenizer and generation config travel with the weights
-            if f.endswith((".json", ".txt")) and f not in ("config.json", "model.safetensors.index.json"):
-                shutil.copy(os.path.join(model.path, f), args.save)
-    return write_summary(args.out, summary)
+
+    def work():
+        if args.task == "bandit":
+            return run_bandit(args)
+        try:
+            task = gsm8k_task(args) if args.task == "gsm8k" else sequence_task(args)
+        except (ValueError, OSError) as e:  # bad data or checkpoint: one line, no traceback
+            raise SystemExit(f"error: {e}") from None
+        if args.compare:
+            return compare(args, task)
+        return run(args, task, build(args, task), args.center, args.seed, args.out)
+    return interruptible(work)
 
 if __name__ == "__main__":
     main()
