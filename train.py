@@ -99,22 +99,33 @@ def parse_args(argv=None):
       default=64)
     a("--arms", "bandit arms", type=int, default=16)
     args = p.parse_args(argv)
+    if args.resume and os.path.isfile(f"{args.resume}/run.json"):  # the run's own flags are the defaults
+        p.set_defaults(**json.load(open(f"{args.resume}/run.json")))
+        args = p.parse_args(argv)
     t = TASKS.index(args.task)
     chosen = {k for k in TASK_DEFAULTS if getattr(args, k) is not None}
     for k, d in TASK_DEFAULTS.items():
         setattr(args, k, d[t] if getattr(args, k) is None else getattr(args, k))
     B, devices, bandit = args.prompts * args.group, jax.local_device_count(), args.task == "bandit"
     divisors = [d for d in range(devices, min(B, 16) + 1, devices) if B % d == 0]
-    args.micro_batch = args.micro_batch or (divisors or [B])[-1]
+    args.micro_batch = (divisors or [max(B, 1)])[-1] if args.micro_batch is None else args.micro_batch
     args.lora_alpha = args.lora if args.lora_alpha is None else args.lora_alpha
     finite = lambda *xs: all(x is None or math.isfinite(x) for x in xs)  # noqa: E731
     where = args.resume or args.out
     errors = [msg for bad, msg in [
-        (min(args.steps, args.prompts, args.group, args.max_tokens, args.eval_every, args.eval_n,
-             args.probe_n, args.arms, args.micro_batch, args.save_every or 1, args.lora or 1) < 1,
+        (min(x for x in (args.steps, args.prompts, args.group, args.max_tokens, args.eval_every,
+                         args.eval_n, args.probe_n, args.arms, args.micro_batch, args.save_every, args.lora)
+             if x is not None) < 1,
          "--steps, --prompts, --group, --max-tokens, --eval-every, --eval-n, --probe-n, --arms, "
          "--micro-batch, --save-every and --lora must be >= 1"),
-        (min(args.topk, args.staleness) < 0, "--topk and --staleness must be >= 0"),
+        (min(args.topk, args.staleness, args.seed, *args.seeds or []) < 0,
+         "--topk, --staleness, --seed and --seeds must be >= 0"),
+        (args.seeds and len(set(args.seeds)) < len(args.seeds), f"--seeds {args.seeds} repeats a seed"),
+        ("" in (args.out, args.save, args.plot, args.resume, args.data_dir, args.model),
+         "an empty --out, --save, --plot, --resume, --data-dir or --model: give a path or drop the flag"),
+        (args.task == "sequence" and args.topk > SEQUENCE["vocab_size"],
+         f"--topk {args.topk} exceeds the {SEQUENCE['vocab_size']} tokens of the sequence task"),
+        (args.compare and args.center, "--compare runs centring off and on: drop --center"),
         (not finite(args.lr, args.weight_noise, args.tis_cap, args.lora_alpha) or args.weight_noise < 0
          or any(x is not None and x <= 0 for x in (args.lr, args.tis_cap, args.lora_alpha)),
          "--lr, --tis-cap, --lora-alpha must be finite numbers > 0 and --weight-noise >= 0"),
@@ -122,7 +133,7 @@ def parse_args(argv=None):
          f"--mis LO,HI needs 0 <= LO < HI, got {args.mis}"),
         (args.mis and args.tis_cap is not None, "--mis and --tis-cap are two importance weights: pick one"),
         (args.baseline == "group" and args.group < 2, "--baseline group needs --group >= 2"),
-        (args.lora_alpha is not None and not args.lora, "--lora-alpha needs --lora"),
+        (args.lora_alpha is not None and args.lora is None, "--lora-alpha needs --lora"),
         (bandit and bool(args.save or args.data_dir or args.lora or args.kv_quant or args.save_every
                          or args.resume or "sampler" in chosen),
          "--save, --data-dir, --lora, --sampler, --kv-quant, --save-every and --resume are not for --task "
@@ -138,7 +149,7 @@ def parse_args(argv=None):
         (args.plot and (os.path.isdir(args.plot) or not writable(os.path.dirname(os.path.abspath(args.plot))))
          ,
          f"--plot {args.plot} must be a PNG file name in a writable folder"),
-        (not bandit and (B % args.micro_batch or args.micro_batch % devices),
+        (not bandit and min(B, args.micro_batch) > 0 and (B % args.micro_batch or args.micro_batch % devices),
          f"--micro-batch {args.micro_batch} must divide --prompts x --group = {B} and be a multiple of the "
          f"{devices} local devices"),
         (args.data_dir and not all(os.path.isfile(f"{args.data_dir}/{s}.jsonl") for s in ("train", "test")),
@@ -150,7 +161,9 @@ def parse_args(argv=None):
          f"--out {args.out} is not empty: pick a new folder, or --resume {args.out} to continue its run"),
         (args.resume and not os.path.isfile(f"{args.resume}/run.json"),
          f"--resume {args.resume} holds no run (run.json): pass the --out of a run"),
-        (args.save and os.path.abspath(args.save) == os.path.abspath(args.model),
+        (args.resume and args.save and os.path.isfile(f"{args.resume}/summary.json"),
+         f"--resume {args.resume}: that run has finished and its state is gone; nothing to --save"),
+        (args.save and os.path.realpath(args.save) == os.path.realpath(args.model),
          "--save would overwrite the --model checkpoint: pick another folder"),
     ] if bad]
     try:
@@ -159,9 +172,10 @@ def parse_args(argv=None):
     except ValueError as e:
         errors.append(f"--save {e}")
     if args.resume and not errors:
-        was = json.load(open(f"{args.resume}/run.json"))
+        was, now = json.load(open(f"{args.resume}/run.json")), json.loads(json.dumps(run_config(args)))
         errors += [f"--resume {args.resume} was started with --{k.replace('_', '-')} {was.get(k)}, not {v}: "
-                   "resume with the same flags" for k, v in run_config(args).items() if was.get(k) != v][:1]
+                   "resume with the same flags" for k, v in now.items()
+                   if was.get(k) != v and k != "save_every"][:1]
     if errors:
         p.error("; ".join(errors))
     args.out = where
@@ -173,8 +187,8 @@ def writable(path):  # the nearest existing folder on the way to `path` lets us 
         path = os.path.dirname(path)
     return os.path.isdir(path) and os.access(path, os.W_OK)
 
-def run_config(args):  # the flags a resumed run must share with the run it continues
-    return {k: v for k, v in vars(args).items() if k not in ("out", "resume", "save_every", "save", "plot")}
+def run_config(args):  # the flags a resumed run starts from and must share (all but --save-every)
+    return {k: v for k, v in vars(args).items() if k not in ("out", "resume", "save", "plot")}
 
 # ---------------------------------------------------------------------------------------------------------
 # logs: one fixed-width line per step; the same numbers in metrics.jsonl, flushed as they are made
@@ -214,14 +228,19 @@ def plot(file, panels):  # panels: [(title, y label, {label: (x, y, matplotlib s
         ax.set(xlabel="step", ylabel=ylabel, title=title)
         ax.legend(fontsize=7, frameon=False)
     fig.tight_layout()
-    fig.savefig(file)
+    os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
+    with LOCK:
+        fig.savefig(file)
 
 def interruptible(work):  # work() in a thread, so that Ctrl-C is honoured at once, even inside an XLA call
     future = concurrent.futures.ThreadPoolExecutor(1).submit(work)
     try:
         return future.result()
     except KeyboardInterrupt:
-        LOCK.acquire(timeout=60)  # a file being written is finished first: metrics.jsonl stays valid
+        try:
+            LOCK.acquire(timeout=60)  # a file being written is finished first: metrics.jsonl stays valid
+        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting
+            pass
         print(f"\ninterrupted {PROGRESS.get('where', 'before the first step')}", flush=True)
         os._exit(130)
 
@@ -272,7 +291,7 @@ def bandit(args, center, staleness, out=None):
             sampler_logits = theta + bias                                           # refresh from the trainer
         theta, opt_state, m = step(theta, opt_state, sampler_logits, jax.random.fold_in(key, i))
         curve.append(tv(theta, theta0))
-        if out is not None and ((i + 1) % args.eval_every == 0 or i == 0):
+        if out is not None and ((i + 1) % args.eval_every == 0 or i in (0, args.steps - 1)):
             log_step(dict({k: float(v) for k, v in m.items()}, step=i + 1, drift=curve[-1]), args.steps,
                      ["reward", "drift", "grad_norm", "kl_q_p", "logprob_gap", "entropy"], out)
     return dict(drift=curve[-1], gap=tv(theta0 + bias, theta0), reward=float(jax.nn.softmax(theta) @ success),
@@ -288,7 +307,7 @@ def run_bandit(args):
     table({f"{s} {'on' if c else 'off'}": r for (s, c), r in runs.items()},  # rows: sampler, centring
           dict(drift="{:.3f}", reward="{:.3f}"))
     if args.out:
-        with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
+        with LOCK, open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
             f.writelines(json.dumps(dict(sampler=s, center=bool(c), step=i + 1, drift=d)) + "\n"
                          for (s, c), r in runs.items() for i, d in enumerate(r["curve"]))
     if args.plot:
@@ -353,6 +372,8 @@ def gsm8k_task(args):
     cfg, tok = model.cfg, model.tokenizer
     V, positions = cfg["vocab_size"], cfg.get("max_position_embeddings", math.inf)
     for bad, msg in [(tok is None, f"{args.model} has no tokenizer files (vocab.json or tokenizer.json)"),
+                     (args.save and os.path.realpath(args.save) == os.path.realpath(model.path),
+                      f"--save {args.save} is where --model {args.model} lives: pick another folder"),
                      (args.topk > V, f"--topk {args.topk} exceeds the {V} tokens of {args.model}"),
                      (args.topk == 0 and V > 4096, f"--topk 0 records q over all {V} tokens: use --topk 128"),
                      (args.max_tokens >= positions, f"--max-tokens {args.max_tokens} reaches past the "
@@ -603,13 +624,14 @@ def run(args, task, fn, center, seed, out):
         print(f"resumed {out} at step {hist['step']}", flush=True)
     if out:  # rows past the saved state belong to the interrupted run: they are logged again below
         rows = open(os.path.join(out, "metrics.jsonl")).readlines() if hist["step"] else []
+        rows = [r for r in rows if r.endswith("\n")]  # a row cut by a kill mid-write is dropped
         with LOCK, open(os.path.join(out, "metrics.jsonl"), "w") as f:
             f.writelines(r for r in rows if json.loads(r)["step"] < hist["step"])
     order = np.random.default_rng(seed).permutation(len(task.train))
     columns = [c for c in COLUMNS if c != "acc" or task.test]
     for step in range(hist["step"], args.steps + 1):
-        saved = f"; its state at step {hist['step']} resumes with --resume {out}" if hist["step"] else ""
-        PROGRESS["where"] = f"at step {step} of {out or 'a run without --out'}{saved}"
+        saved = f"; python train.py --resume {args.out} continues from its state at step {hist['step']}"
+        PROGRESS["where"] = f"at step {step} of {out or 'a run without --out'}{saved if hist['step'] else ''}"
         row, w = {"step": step}, merge(params, base, scale)
         if step % args.eval_every == 0 or step == args.steps:
             hist["drift"][str(step)] = row["drift"] = drift(w)
@@ -653,7 +675,10 @@ def run(args, task, fn, center, seed, out):
         for f in os.listdir(task.path) if task.path else []:  # the tokenizer files travel with the weights
             if f.endswith((".json", ".txt")) and f not in ("config.json", "model.safetensors.index.json"):
                 shutil.copy(os.path.join(task.path, f), args.save)
-    return write_summary(out, summary)
+    write_summary(out, summary)
+    if out and os.path.exists(state_file):  # the run is complete: its state (weights, Adam) frees the disk
+        os.remove(state_file)
+    return summary
 
 # ---------------------------------------------------------------------------------------------------------
 # GSM8K side by side over seeds, with the verdict; the sequence task's 2 x 2
@@ -704,7 +729,8 @@ def compare(args, task):
         print(summary["verdict"])
     if args.plot:
         color = lambda k: "b" if "_centered" in "_" + k else "r"  # noqa: E731  (then a line style per arm)
-        style = lambda k: color(k) + ("-", "--", "-.", ":")[[j for j in res if color(j) == color(k)].index(k)]
+        style = lambda k: color(k) + ("-", "--", "-.", ":")[[j for j in res if color(j) == color(k)].index(k)
+                                                             % 4]
         curves = lambda key, arms: {k: (list(map(int, res[k][key])), list(res[k][key].values()), style(k))
                                     for k in arms}  # noqa: E731
         drift = "drift  KL(p_0 || p_t) on the probe"
