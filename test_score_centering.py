@@ -1833,7 +1833,7 @@ def test_flags_checked_against_the_checkpoint_and_offline_data(tmp_path, gsm, ca
     monkeypatch.setenv("HOME", str(tmp_path))
     msg = _error(["--model", gsm[0]], capsys)
     assert "GSM8K could not be downloaded" in msg and "--data-dir" in msg
-    assert not os.path.exists(tmp_path / ".cache" / "score-centering" / "gsm8k")  # no empty cache folder left
+    assert not os.path.exists(tmp_path / ".cache" / "score-centering")  # no empty cache folder left
 
 
 def test_readme_use_it_in_your_codebase_snippet_runs(capsys):

@@ -329,15 +329,17 @@ Task = namedtuple("Task", "cfg weights eos pad train test probe reward path")
 
 def gsm8k(data_dir, split):
     """[(question, gold answer)] of one split, downloaded once (with progress) when there is no data_dir."""
-    path = os.path.join(data_dir or os.path.expanduser("~/.cache/score-centering/gsm8k"), f"{split}.jsonl")
+    cache = os.path.expanduser("~/.cache/score-centering")
+    path = os.path.join(data_dir or os.path.join(cache, "gsm8k"), f"{split}.jsonl")
     if not os.path.exists(path):
+        fresh = not os.path.exists(cache)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         progress = lambda n, size, total: print(  # noqa: E731
             f"\rdownloading GSM8K {split}: {min(n * size, total) / 1e6:.1f} / {total / 1e6:.1f} MB", end="")
         try:
             urllib.request.urlretrieve(GSM8K_URL % f"{split}.jsonl", path + ".part", progress)
         except OSError as e:
-            shutil.rmtree(os.path.dirname(path)) if not os.listdir(os.path.dirname(path)) else None
+            shutil.rmtree(cache) if fresh else None  # no empty cache folder left behind
             raise ValueError(f"GSM8K could not be downloaded from GitHub ({getattr(e, 'reason', e)}): pass "
                              "--data-dir with train.jsonl and test.jsonl") from None
         os.replace(path + ".part", path)
