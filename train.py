@@ -244,9 +244,9 @@ def interruptible(work):  # work() in a thread, so that Ctrl-C is honoured at on
         print(f"\ninterrupted {PROGRESS.get('where', 'before the first step')}", flush=True)
         os._exit(130)
 
-def table(rows, columns):  # {name: {column: value}} -> one fixed-width table; columns: {column: format}
+def table(first, rows, columns):  # {name: {column: value}} -> a fixed-width table; columns: {column: format}
     width = {c: max(len(c), len(f.format(0))) for c, f in columns.items()}
-    print(f"{'':22s} " + " ".join(f"{c:>{width[c]}}" for c in columns))
+    print(f"{first:22s} " + " ".join(f"{c:>{width[c]}}" for c in columns))
     for name, r in rows.items():
         print(f"{name:22s} " + " ".join(f"{f.format(r[c]):>{width[c]}}" for c, f in columns.items()))
 
@@ -304,8 +304,8 @@ def run_bandit(args):
     runs = {(s, c): bandit(args, c, st) for s, st in (("online", 0), ("frozen", args.steps)) for c in (0, 1)}
     print(f"\n{args.arms} arms, sampler logit offset std {args.weight_noise}, baseline {args.baseline}, "
           f"{args.steps} steps, lr {args.lr}, seed {args.seed}; gap TV(q, p) {runs['online', 0]['gap']:.3f}")
-    table({f"{s} {'on' if c else 'off'}": r for (s, c), r in runs.items()},  # rows: sampler, centring
-          dict(drift="{:.3f}", reward="{:.3f}"))
+    table("sampler centring", {f"{s} {'on' if c else 'off'}": r for (s, c), r in runs.items()},
+          {"drift": "{:.3f}", "reward": "{:.3f}"})
     if args.out:
         with LOCK, open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
             f.writelines(json.dumps(dict(sampler=s, center=bool(c), step=i + 1, drift=d)) + "\n"
@@ -716,8 +716,8 @@ def compare(args, task):
           f"{args.kv_quant}, --weight-noise {args.weight_noise}, --staleness {args.staleness}, {args.steps} "
           f"steps, lr {args.lr}")
     if args.task == "sequence":  # rows: baseline, centring
-        table({f"{k.split('_')[0]} {'on' if k.endswith('_centered') else 'off'}": r for k, r in res.items()},
-              dict(final_drift="{:.2e}", reward="{:.3f}"))
+        table("baseline centring", {f"{k.split('_')[0]} {'on' if k.endswith('_centered') else 'off'}": r
+                                    for k, r in res.items()}, dict(final_drift="{:.2e}", reward="{:.3f}"))
         summary = {k: dict(drift=r["final_drift"], drift_curve=list(r["drift"].values()), reward=r["reward"])
                    for k, r in res.items()}
     else:
@@ -725,8 +725,8 @@ def compare(args, task):
         by_seed = [dict(uncentered=res[u], centered=res[c]) for u, c in zip(*arms)]
         columns = dict(peak_acc="{:.3f}", final_acc="{:.3f}", drop="{:.3f}", final_drift="{:.2e}",
                        mean_kl_q_p="{:+.2e}")
-        table(res | {f"mean {arm}": {k: np.mean([r[arm][k] for r in by_seed]) for k in columns}
-                     for arm in ("uncentered", "centered")}, columns)
+        table("run", res | {f"mean {arm}": {k: np.mean([r[arm][k] for r in by_seed]) for k in columns}
+                            for arm in ("uncentered", "centered")}, columns)
         summary = dict(res, verdict=verdict(by_seed))
         print(summary["verdict"])
     if args.plot:
