@@ -1367,7 +1367,8 @@ def test_kv_quantisation_error_is_bounded_and_compounds(tiny):
     assert all(1e-5 < g < 0.5 for g in gaps), gaps
 
 
-def test_one_device_and_four_devices_give_the_same_step(tiny):
+@pytest.mark.parametrize("lora", [False, True])
+def test_one_device_and_four_devices_give_the_same_step(tiny, lora):
     assert jax.device_count() == 4
     prompt, pos = _prompts(tiny.tokenizer, 16)
     out = train.make_sampler(tiny.cfg, 8, 8, STOP)(train.sampler_weights(tiny.weights, "int8"), prompt, pos,
@@ -1378,10 +1379,14 @@ def test_one_device_and_four_devices_give_the_same_step(tiny):
         mesh = Mesh(np.array(devices), ("data",))
         opt = optax.sgd(0.1)
         w = jax.device_put(jax.tree.map(jnp.copy, tiny.weights), NamedSharding(mesh, P()))
-        step = train.make_train_step(tiny.cfg, opt, dict(center=True, tis_cap=2.0), 8, mesh)
-        res.append(step(w, opt.init(w), jax.device_put(batch, NamedSharding(mesh, P("data")))))
+        adapters = train.lora_init(w, 4, jax.random.PRNGKey(1))  # LoRA: they train, w is the frozen base
+        params = jax.device_put(adapters, NamedSharding(mesh, P())) if lora else w
+        kw = dict(center=True, tis_cap=2.0)
+        step = train.make_train_step(tiny.cfg, opt, kw, 8, mesh, 2.0 if lora else None)
+        res.append(step(params, opt.init(params), jax.device_put(batch, NamedSharding(mesh, P("data"))),
+                        w if lora else None))
     (w1, _, m1), (w4, _, m4) = res
-    assert len(w4["embed"].sharding.device_set) == 4
+    assert len(jax.tree.leaves(w4)[0].sharding.device_set) == 4 and float(m1["grad_norm"]) > 1e-3
     np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(w1), jax.tree.leaves(w4)):
