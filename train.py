@@ -424,8 +424,9 @@ def fake_quant(x, axes, kind):  # symmetric, one scale per slice reduced over `a
 def kv_quant(kind):  # K, V [B, T, K, H] as a quantised cache keeps them: int8 per token and head; fp8 e4m3
     if kind == "int8":
         return lambda a: fake_quant(a, (3,), "int8")
-    fp8 = lambda a: jnp.clip(a.astype(jnp.float32), -448, 448).astype(jnp.float8_e4m3fn)  # noqa: E731
-    return kind and (lambda a: fp8(a).astype(a.dtype))
+    if kind == "fp8":  # unit scale, saturating at e4m3's largest value
+        return lambda a: jnp.clip(a.astype(jnp.float32), -448, 448).astype(jnp.float8_e4m3fn).astype(a.dtype)
+    return None
 
 @partial(jax.jit, static_argnums=(1, 2))
 def sampler_weights(w, kind, sigma=0.0, key=None):
@@ -721,8 +722,8 @@ def compare(args, task):
         summary = {k: dict(drift=r["final_drift"], drift_curve=list(r["drift"].values()), reward=r["reward"])
                    for k, r in res.items()}
     else:
-        arms = [[k for k in res if k.startswith(arm)] for arm in ("unc", "cent")]  # seed by seed
-        by_seed = [dict(uncentered=res[u], centered=res[c]) for u, c in zip(*arms)]
+        runs = list(res.values())  # uncentred, centred, seed by seed
+        by_seed = [dict(uncentered=u, centered=c) for u, c in zip(runs[::2], runs[1::2])]
         columns = dict(peak_acc="{:.3f}", final_acc="{:.3f}", drop="{:.3f}", final_drift="{:.2e}",
                        mean_kl_q_p="{:+.2e}")
         table("run", res | {f"mean {arm}": {k: np.mean([r[arm][k] for r in by_seed]) for k in columns}
@@ -730,10 +731,8 @@ def compare(args, task):
         summary = dict(res, verdict=verdict(by_seed))
         print(summary["verdict"])
     if args.plot:
-        color = lambda k: "b" if "_centered" in "_" + k else "r"  # noqa: E731  (then a line style per arm)
-        style = lambda k: color(k) + ("-", "--", "-.", ":")[[j for j in res if color(j) == color(k)].index(k)
-                                                             % 4]
-        curves = lambda key, arms: {k: (list(map(int, res[k][key])), list(res[k][key].values()), style(k))
+        style = {k: "rb"[i % 2] + ("-", "--", "-.", ":")[i // 2 % 4] for i, k in enumerate(res)}  # off, on
+        curves = lambda key, arms: {k: (list(map(int, res[k][key])), list(res[k][key].values()), style[k])
                                     for k in arms}  # noqa: E731
         drift = "drift  KL(p_0 || p_t) on the probe"
         plot(args.plot, [(f"GRPO, {title}", drift, curves("drift", [k for k in res if k.startswith(prefix)]))
