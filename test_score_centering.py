@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import qwen3  # noqa: E402
 import score_centering as sc  # noqa: E402
+import harness  # noqa: E402
 import train  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1428,9 +1429,9 @@ def test_gsm8k_gold_answers_and_malformed_lines(tmp_path):
     for bad in ("{not json\n", '{"question": "q?", "answer": "no marker"}\n', '{"answer": "#### 3"}\n'):
         path.write_text(good + bad)
         with pytest.raises(ValueError, match=f"{path}:2"):
-            train.gsm8k(str(tmp_path), "train")
+            harness.read_gsm8k(str(tmp_path), "train", train.normalise)
     path.write_text(good)
-    assert train.gsm8k(str(tmp_path), "train") == [("q?", "1000")]
+    assert harness.read_gsm8k(str(tmp_path), "train", train.normalise) == [("q?", "1000")]
 
 
 def test_group_advantages():
@@ -1614,15 +1615,15 @@ def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(tm
 
     class Killed(Exception):
         pass
-    real = train.save_state
+    real = harness.save_state
 
     def save_then_die(*a):  # the state of step 2 is written, then the process dies
         real(*a)
         raise Killed
-    monkeypatch.setattr(train, "save_state", save_then_die)
+    monkeypatch.setattr(harness, "save_state", save_then_die)
     with pytest.raises(Killed):
         train.main(flags() + ["--out", str(tmp_path / "b")])
-    monkeypatch.setattr(train, "save_state", real)
+    monkeypatch.setattr(harness, "save_state", real)
     with open(tmp_path / "b" / "metrics.jsonl", "a") as f:  # a row logged after the state, and one cut short
         f.write(json.dumps({"step": 2, "reward": -1.0}) + '\n{"step": 3, "rew')
     with pytest.raises(SystemExit):
@@ -1741,7 +1742,7 @@ def test_verdict(drops, finals, expected):
     arms = ("uncentered", "centered")
     runs = [{arm: dict(drop=drops[i][s], final_acc=finals[i][s]) for i, arm in enumerate(arms)}
             for s in range(2)]
-    assert train.verdict(runs).startswith(f"verdict: {expected}")
+    assert harness.verdict(runs).startswith(f"verdict: {expected}")
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -1771,7 +1772,6 @@ def test_verdict(drops, finals, expected):
     (["--out", ""], "--out"),
     (["--compare", "--seeds", "0,0"], "--seeds"),
     (["--seed", "-1"], "--seed"),
-    (["--task", "sequence", "--topk", "10000"], "--topk"),
     (["--compare", "--center"], "--center"),
 ])
 def test_bad_flags_fail_at_once(argv, match, capsys):
@@ -1822,11 +1822,12 @@ def test_trailing_blank_line_is_tolerated(tmp_path):
     data = write_gsm8k(tmp_path / "d", n_train=2)
     with open(os.path.join(data, "train.jsonl"), "a") as f:
         f.write("\n")
-    assert train.gsm8k(data, "train") == [("What is 0 + 0?", "0"), ("What is 1 + 1?", "2")]
+    assert harness.read_gsm8k(data, "train", train.normalise) == [("What is 0 + 0?", "0"), ("What is 1 + 1?", "2")]
 
 
 def test_flags_checked_against_the_checkpoint_and_offline_data(tmp_path, gsm, capsys, monkeypatch):
     assert "--topk 400" in _error(tiny_argv(gsm, "--topk", "400"), capsys)
+    assert "--topk 10000 exceeds" in _error(["--task", "sequence", "--topk", "10000"], capsys)
     msg = _error(tiny_argv(gsm, "--max-tokens", "600"), capsys)
     assert "--max-tokens 600 reaches past the 512 positions" in msg
     assert "/no/such/dir" in _error(tiny_argv(gsm, "--model", "/no/such/dir"), capsys)
@@ -1834,7 +1835,7 @@ def test_flags_checked_against_the_checkpoint_and_offline_data(tmp_path, gsm, ca
     def offline(*a, **kw):
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
     import urllib.error
-    monkeypatch.setattr(train.urllib.request, "urlretrieve", offline)
+    monkeypatch.setattr(harness.urllib.request, "urlretrieve", offline)
     monkeypatch.setenv("HOME", str(tmp_path))
     msg = _error(["--model", gsm[0]], capsys)
     assert "GSM8K could not be downloaded" in msg and "--data-dir" in msg
@@ -1855,6 +1856,6 @@ def test_readme_line_counts_are_the_files_line_counts():
     here = os.path.dirname(os.path.abspath(__file__))
     rows = [line.split("|") for line in open(os.path.join(here, "README.md")) if line.startswith("| `")]
     counts = {r[1].strip(" `"): int(r[2]) for r in rows if r[2].strip().isdigit()}
-    assert set(counts) == {"score_centering.py", "qwen3.py", "train.py", "test_score_centering.py"}
+    assert set(counts) == {"score_centering.py", "qwen3.py", "train.py", "harness.py", "test_score_centering.py"}
     for name, n in counts.items():
         assert n == sum(1 for _ in open(os.path.join(here, name))), name
