@@ -19,8 +19,8 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
         group = p.add_argument_group(title)
         def add(name, help, **kw):
             key = name[2:].replace("-", "_")
-            d = ", ".join(f"{t} {r[key]}" for t, r in recipe.items()) if key in recipe["gsm8k"] else \
-                kw.get("default")
+            d = ", ".join(f"{t} {r[key]}" for t, r in recipe.items() if key in r) if key in recipe["gsm8k"] \
+                else kw.get("default")
             help += "" if d is None or d is False else f" (default: {d})"
             group.add_argument(name, help=help, **kw)
         return add
@@ -28,9 +28,10 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
     a("--task", "gsm8k: Qwen3 GRPO; sequence: a tiny Qwen3 on a CPU; bandit: the one-step toy",
       choices=list(recipe), default="gsm8k")
     a("--center", "score centering: subtract the sampler-expected score", action="store_true")
-    a("--compare", "run centring off and on (sequence: x baseline group/none; bandit: x online/frozen "
-                   "sampler), print one table", action="store_true")
-    a("--seeds", "with --compare on gsm8k: the seeds to run, e.g. 0,1 (default: --seed)", type=csv(int))
+    a("--compare", "run centring off and on (bandit: x online/frozen sampler), print one table",
+      action="store_true")
+    a("--seeds", "with --compare on gsm8k or sequence: the seeds to run, e.g. 0,1 (default: --seed)",
+      type=csv(int))
     a("--model", "Hugging Face repo id or local checkpoint directory (gsm8k)", default="Qwen/Qwen3-0.6B")
     a("--data-dir", "folder with GSM8K train.jsonl and test.jsonl (default: download once, cached)")
     a("--seed", "seed of the data order, the sampler's noise and the rollouts", type=int, default=0)
@@ -65,7 +66,7 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
     a("--staleness", "refresh the sampler every S+1 steps; S >= steps: frozen", type=int, default=0)
     a = flags("evaluation: greedy, clean bf16 sampler; the drift meter; bandit: the log cadence")
     a("--eval-every", "evaluate every N steps", type=int)
-    a("--eval-n", "the first N GSM8K test problems", type=int, default=500)
+    a("--eval-n", "held-out prompts: the first N GSM8K test problems; N fixed sequence prompts", type=int)
     a("--probe-n", "probe prompts of the drift meter (gsm8k: the first N test problems)", type=int,
       default=64)
     a("--arms", "bandit arms", type=int, default=16)
@@ -93,8 +94,7 @@ def mistakes(args, chosen):  # one line per mistake; checks are (is it wrong, wh
         (args.mis and args.tis_cap is not None, "--mis and --tis-cap are two importance weights: pick one"),
         (args.baseline == "group" and args.group < 2, "--baseline group needs --group >= 2"),
         (args.lora_alpha is not None and args.lora is None, "--lora-alpha needs --lora"),
-        (args.seeds and (not args.compare or args.task != "gsm8k"),
-         "--seeds is for --compare on --task gsm8k"),
+        (args.seeds and (not args.compare or bandit), "--seeds is for --compare on --task gsm8k or sequence"),
         (args.compare and args.save, "--save keeps one policy: drop --compare"),
         (args.plot and not args.compare, "--plot draws the --compare runs: add --compare")]
     task = [
@@ -331,46 +331,39 @@ def plot(file, panels):  # panels: [(title, y label, {label: (x, y, matplotlib s
     with LOCK:
         fig.savefig(file)
 
-def verdict(runs):  # runs [{"uncentered": summary, "centered": summary}] over seeds -> one line
+def verdict(runs, score="accuracy"):  # runs [{"uncentered": summary, "centered": summary}] over seeds
     mean = lambda arm, k: 100 * float(np.mean([r[arm][k] for r in runs]))  # noqa: E731  (in points)
     du, dc, fu, fc = mean("uncentered", "drop"), mean("centered", "drop"), mean("uncentered", "final_acc"), \
         mean("centered", "final_acc")
-    facts = (f"drop {dc:.1f} points centred vs {du:.1f} uncentred, final accuracy {fc:.1f} vs {fu:.1f} "
+    facts = (f"drop {dc:.1f} points centred vs {du:.1f} uncentred, final {score} {fc:.1f} vs {fu:.1f} "
              f"(means over {len(runs)} seed{'s' * (len(runs) > 1)})")
     if dc <= 2 and du - dc >= 3 and fc >= fu - 1.5:
         return "verdict: centring VALIDATED: " + facts
     if abs(du - dc) < 3:
         return "verdict: WITHIN SEED NOISE (drops differ by < 3 points): " + facts
     return ("verdict: centring NOT validated (needs a drop <= 2 points, >= 3 smaller than uncentred, and a "
-            "final accuracy at most 1.5 below): " + facts)
+            f"final {score} at most 1.5 below): " + facts)
 
-def report(args, cfg, res):  # --compare: the table (and verdict), the figure; res {arm: summary}, off/on pairs
+def report(args, cfg, res):  # --compare: the table, the verdict, the figure; res {arm: summary}, off/on pairs
     print(f"\n{cfg['num_hidden_layers']}-layer Qwen3, --sampler {args.sampler}, --kv-quant {args.kv_quant}, "
           f"--weight-noise {args.weight_noise}, --staleness {args.staleness}, {args.steps} steps, "
           f"lr {args.lr}")
-    if args.task == "sequence":  # rows: baseline, centring
-        table("baseline centring", {f"{k.split('_')[0]} {'on' if k.endswith('_centered') else 'off'}": r
-                                    for k, r in res.items()}, dict(final_drift="{:.2e}", reward="{:.3f}"))
-        summary = {k: dict(drift=r["final_drift"], drift_curve=list(r["drift"].values()), reward=r["reward"])
-                   for k, r in res.items()}
-    else:
-        runs = list(res.values())  # uncentred, centred, seed by seed
-        by_seed = [dict(uncentered=u, centered=c) for u, c in zip(runs[::2], runs[1::2])]
-        columns = dict(peak_acc="{:.3f}", final_acc="{:.3f}", drop="{:.3f}", final_drift="{:.2e}",
-                       mean_kl_q_p="{:+.2e}")
-        table("run", res | {f"mean {arm}": {k: np.mean([r[arm][k] for r in by_seed]) for k in columns}
-                            for arm in ("uncentered", "centered")}, columns)
-        summary = dict(res, verdict=verdict(by_seed))
-        print(summary["verdict"])
+    runs = list(res.values())  # uncentred, centred, seed by seed
+    by_seed = [dict(uncentered=u, centered=c) for u, c in zip(runs[::2], runs[1::2])]
+    columns = dict(peak_acc="{:.3f}", final_acc="{:.3f}", drop="{:.3f}", final_drift="{:.2e}",
+                   mean_kl_q_p="{:+.2e}")
+    table("run", res | {f"mean {arm}": {k: np.mean([r[arm][k] for r in by_seed]) for k in columns}
+                        for arm in ("uncentered", "centered")}, columns)
+    score = "accuracy" if args.task == "gsm8k" else "held-out score"
+    summary = dict(res, verdict=verdict(by_seed, score))
+    print(summary["verdict"])
     if args.plot:
         style = {k: "rb"[i % 2] + ("-", "--", "-.", ":")[i // 2 % 4] for i, k in enumerate(res)}  # off, on
-        curves = lambda key, arms: {k: (list(map(int, res[k][key])), list(res[k][key].values()), style[k])
-                                    for k in arms}  # noqa: E731
-        drift = "drift  KL(p_0 || p_t) on the probe"
-        plot(args.plot, [(f"GRPO, {title}", drift, curves("drift", [k for k in res if k.startswith(prefix)]))
-                         for prefix, title in (("group", "group baseline"), ("none", "raw rewards"))]
-             if args.task == "sequence" else
-             [("GSM8K", "greedy accuracy", curves("eval_acc", res)), ("GSM8K", drift, curves("drift", res))])
+        curves = lambda key: {k: (list(map(int, r[key])), list(r[key].values()), style[k])  # noqa: E731
+                              for k, r in res.items()}
+        name = "GSM8K" if args.task == "gsm8k" else "sequence task"
+        plot(args.plot, [(name, f"greedy {score}", curves("eval_acc")),
+                         (name, "drift  KL(p_0 || p_t) on the probe", curves("drift"))])
     return write_summary(args.out, summary)
 
 def report_bandit(args, runs):  # runs {(sampler, centred): bandit result}

@@ -1587,19 +1587,23 @@ def test_gsm8k_compare_runs_both_arms_from_the_same_start(tmp_path, gsm, capsys,
     assert not plot or os.path.getsize(tmp_path / "figs" / "cmp.png") > 1000
 
 
-def test_sequence_task_centring_removes_the_drift_grpo_keeps(tmp_path, capsys):
-    """The full LLM loop (sampler, KV cache, int8 + noise, top-k record, train step), shortened."""
-    summary = train.main(["--task", "sequence", "--compare", "--steps", "6", "--eval-every", "3",
-                          "--probe-n", "16", "--out", str(tmp_path)])
-    for b in ("group", "none"):
-        off, on = summary[f"{b}_uncentered"], summary[f"{b}_centered"]
-        assert off["drift"] > 2 * on["drift"] > 0, summary
-        assert len(on["drift_curve"]) == 3 and on["drift_curve"][0] == off["drift_curve"][0] == 0
-        assert off["drift_curve"][2] > 1.5 * off["drift_curve"][1] > 0, off  # the uncentred drift grows
+def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, capsys, monkeypatch):
+    """The full LLM loop (sampler, KV cache, int8 + noise, top-k record, train step), shortened: on two seeds,
+    uncentred GRPO walks farther and its held-out score falls further than centred GRPO's."""
+    seen = spy_center(monkeypatch)
+    summary = train.main(["--task", "sequence", "--compare", "--seeds", "0,1", "--steps", "10", "--lr", "0.3",
+                          "--eval-n", "128", "--probe-n", "8", "--out", str(tmp_path)])
+    assert seen == [False, True]  # one train step traced per arm, shared by the seeds
+    for s in (0, 1):
+        off, on = summary[f"uncentered_seed{s}"], summary[f"centered_seed{s}"]
+        assert off["eval_acc"]["0"] == on["eval_acc"]["0"] and list(off["eval_acc"]) == ["0", "10"]
+        assert off["drop"] > on["drop"] + 0.05 and off["final_acc"] < on["final_acc"] - 0.05, (off, on)
+        assert off["final_drift"] > 1.5 * on["final_drift"] > 0, (off, on)
     lines = capsys.readouterr().out.splitlines()
-    table = [line.split() for line in lines if line.startswith(("group ", "none "))]
-    assert [row[:2] for row in table] == [[b, c] for b in ("group", "none") for c in ("off", "on")]
-    assert float(table[0][2]) == pytest.approx(summary["group_uncentered"]["drift"], rel=1e-2)
+    table = [line.split() for line in lines if line.startswith(("uncentered_", "centered_"))]
+    assert [row[0] for row in table] == [f"{c}_seed{s}" for s in (0, 1) for c in ("uncentered", "centered")]
+    assert float(table[0][3]) == pytest.approx(summary["uncentered_seed0"]["drop"], abs=1e-3)
+    assert summary["verdict"] in lines
 
 
 def _strip(rows):  # metrics rows without their wall-clock times
@@ -1610,7 +1614,7 @@ def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(tm
     def flags(lr="1e-3"):  # int8, noise, a stale sampler: the rows depend on the random and the saved state
         return ["--task", "sequence", "--steps", "4", "--save-every", "2", "--staleness", "2",
                 "--optimizer", "adam", "--lr", lr, "--center", "--prompts", "2", "--group", "4",
-                "--max-tokens", "6", "--probe-n", "8", "--eval-every", "1", "--mis", "0.2,5"]
+                "--max-tokens", "6", "--probe-n", "8", "--eval-every", "1", "--eval-n", "8", "--mis", "0.2,5"]
     straight = train.main(flags() + ["--out", str(tmp_path / "a"), "--save", str(tmp_path / "a_w")])
 
     class Killed(Exception):
@@ -1643,7 +1647,9 @@ def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
            *tiny_argv(gsm, "--steps", "100000", "--out", str(out))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                            env=dict(os.environ, JAX_PLATFORMS="cpu",  # the programs compiled above, reused
+                                     JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
+                                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"))
     deadline = time.time() + 120
     while time.time() < deadline and not (os.path.exists(out / "metrics.jsonl")
                                           and len(open(out / "metrics.jsonl").readlines()) >= 3):
@@ -1715,7 +1721,8 @@ def test_lora_run_saves_merged_weights_that_transformers_reads(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     argv = ["--task", "sequence", "--lora", "4", "--lora-alpha", "8", "--optimizer", "adamw", "--lr", "0.05",
-            "--steps", "2", "--prompts", "2", "--group", "4", "--max-tokens", "6", "--probe-n", "8"]
+            "--steps", "2", "--prompts", "2", "--group", "4", "--max-tokens", "6", "--probe-n", "8",
+            "--eval-n", "8"]
     train.main(argv + ["--save", str(tmp_path / "merged")])
     saved = qwen3.load(str(tmp_path / "merged"))
     base = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),  # as saved: bf16
@@ -1724,7 +1731,7 @@ def test_lora_run_saves_merged_weights_that_transformers_reads(tmp_path):
     assert changed == {"q", "k", "v", "o", "gate", "up", "down"}  # every adapted projection, nothing else
     assert np.array_equal(saved.weights["embed"], base["embed"]) and np.array_equal(saved.weights["norm"],
                                                                                      base["norm"])
-    tokens = np.random.default_rng(0).integers(0, 8192, (2, 10))
+    tokens = np.random.default_rng(0).integers(0, saved.cfg["vocab_size"], (2, 10))
     ours = qwen3.forward(saved.cfg, saved.weights, jnp.array(tokens), arange_pos(2, 10))[0]
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32,
                                                             attn_implementation="eager")
@@ -1822,7 +1829,8 @@ def test_trailing_blank_line_is_tolerated(tmp_path):
     data = write_gsm8k(tmp_path / "d", n_train=2)
     with open(os.path.join(data, "train.jsonl"), "a") as f:
         f.write("\n")
-    assert harness.read_gsm8k(data, "train", train.normalise) == [("What is 0 + 0?", "0"), ("What is 1 + 1?", "2")]
+    problems = harness.read_gsm8k(data, "train", train.normalise)
+    assert problems == [("What is 0 + 0?", "0"), ("What is 1 + 1?", "2")]
 
 
 def test_flags_checked_against_the_checkpoint_and_offline_data(tmp_path, gsm, capsys, monkeypatch):
@@ -1856,6 +1864,7 @@ def test_readme_line_counts_are_the_files_line_counts():
     here = os.path.dirname(os.path.abspath(__file__))
     rows = [line.split("|") for line in open(os.path.join(here, "README.md")) if line.startswith("| `")]
     counts = {r[1].strip(" `"): int(r[2]) for r in rows if r[2].strip().isdigit()}
-    assert set(counts) == {"score_centering.py", "qwen3.py", "train.py", "harness.py", "test_score_centering.py"}
+    assert set(counts) == {"score_centering.py", "qwen3.py", "train.py", "harness.py",
+                           "test_score_centering.py"}
     for name, n in counts.items():
         assert n == sum(1 for _ in open(os.path.join(here, name))), name
