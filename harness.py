@@ -1,6 +1,7 @@
 """What never changes a number the run computes (skip it on a first read of train.py): flags and their checks,
 logs and metrics.jsonl, run.json, the resumable state, Ctrl-C, GSM8K's files, tables, figures, the verdict."""
-import argparse, concurrent.futures, importlib.util, json, math, os, re, shutil, threading, urllib.request
+import argparse, concurrent.futures, contextlib, importlib.util, json, math, os, re, shutil, threading
+import urllib.request
 
 import jax
 import jax.numpy as jnp
@@ -11,27 +12,18 @@ import qwen3
 # ---------------------------------------------------------------------------------------------------------
 # flags: every mistake is named in one line before any download, compile or training
 
-def csv(kind):  # "0.5,5" -> (0.5, 5.0): a comma-separated flag value
-    return lambda s: tuple(map(kind, s.split(",")))
-
 def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that depend on the task
-    def flags(title):
-        group = p.add_argument_group(title)
-        def add(name, help, **kw):
-            key = name[2:].replace("-", "_")
-            d = ", ".join(f"{t} {r[key]}" for t, r in recipe.items() if key in r) if key in recipe["gsm8k"] \
-                else kw.get("default")
-            help += "" if d is None or d is False else f" (default: {d})"
-            group.add_argument(name, help=help, **kw)
-        return add
-    a = flags("run")
-    a("--task", "gsm8k: Qwen3 GRPO; sequence: a tiny Qwen3 on a CPU; bandit: the one-step toy",
-      choices=list(recipe), default="gsm8k")
+    csv = lambda kind: lambda s: tuple(map(kind, s.split(",")))  # noqa: E731  "0.5,5" -> (0.5, 5.0)
+    def a(name, help, **kw):  # the help ends with the default: per task, or argparse's
+        key = name[2:].replace("-", "_")
+        d = ", ".join(f"{t} {r[key]}" for t, r in recipe.items() if key in r) or kw.get("default")
+        group.add_argument(name, help=help + ("" if d is None or d is False else f" (default: {d})"), **kw)
+    group = p.add_argument_group("run")
+    a("--task", "gsm8k: Qwen3; sequence: a tiny Qwen3 on a CPU; bandit: the toy", choices=list(recipe),
+      default="gsm8k")
     a("--center", "score centering: subtract the sampler-expected score", action="store_true")
-    a("--compare", "run centring off and on (bandit: x online/frozen sampler), print one table",
-      action="store_true")
-    a("--seeds", "with --compare on gsm8k or sequence: the seeds to run, e.g. 0,1 (default: --seed)",
-      type=csv(int))
+    a("--compare", "centring off, then on (bandit: x online/frozen sampler); one table", action="store_true")
+    a("--seeds", "with --compare (not bandit): the seeds to run, e.g. 0,1 (default: --seed)", type=csv(int))
     a("--model", "Hugging Face repo id or local checkpoint directory (gsm8k)", default="Qwen/Qwen3-0.6B")
     a("--data-dir", "folder with GSM8K train.jsonl and test.jsonl (default: download once, cached)")
     a("--seed", "seed of the data order, the sampler's noise and the rollouts", type=int, default=0)
@@ -40,35 +32,29 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
     a("--resume", "continue the run in this --out folder, with the flags it was started with")
     a("--save", "write the trained policy here as a Hugging Face checkpoint")
     a("--plot", "with --compare: draw the curves into this PNG (needs matplotlib)")
-    a = flags("RL")
+    group = p.add_argument_group("RL")
     a("--steps", "optimizer steps", type=int)
     a("--prompts", "prompts per step", type=int)
     a("--group", "rollouts per prompt", type=int, default=8)
     a("--max-tokens", "completion length cap", type=int)
     a("--lr", "constant learning rate", type=float)
-    a("--optimizer", "no schedule: nothing to confound drift", choices=("sgd", "adam", "adamw"),
-      default="sgd")
+    a("--optimizer", "no schedule: nothing confounds drift", choices=["sgd", "adam", "adamw"], default="sgd")
     a("--baseline", "advantage r - group mean, or raw r", choices=["group", "none"], default="group")
-    a("--micro-batch", "sequences per forward/backward pass (default: the largest divisor of the batch "
-                       "<= 16)", type=int)
+    a("--micro-batch", "rows per forward/backward pass (default: largest batch divisor <= 16)", type=int)
     a("--topk", "sampler head recorded per token; 0 = full distribution (exact)", type=int, default=128)
     a("--tis-cap", "truncated importance sampling, w = min(p/q, C) (default: off)", type=float)
-    a("--mis", "masked importance sampling LO,HI: w = p/q inside the band, 0 outside (default: off)",
-      type=csv(float))
-    a("--lora", "train LoRA adapters of this rank on every projection, not the weights (default: off)",
-      type=int)
+    a("--mis", "masked IS LO,HI: w = p/q inside the band, 0 outside (default: off)", type=csv(float))
+    a("--lora", "train LoRA adapters of this rank on every projection (default: off)", type=int)
     a("--lora-alpha", "LoRA scale alpha / rank (default: alpha = rank)", type=float)
-    a = flags("mismatch: how the sampler differs from the float32 trainer")
+    group = p.add_argument_group("mismatch: how the sampler differs from the float32 trainer")
     a("--sampler", "bf16, or W8A8 fake quantisation", choices=["bf16", "int8", "fp8"])
     a("--kv-quant", "fake-quantise every K and V the sampler caches (default: off)", choices=["int8", "fp8"])
-    a("--weight-noise", "fixed relative weight noise σ; bandit: the std of a fixed sampler logit offset",
-      type=float)
+    a("--weight-noise", "fixed relative weight noise σ (bandit: a fixed logit offset's std)", type=float)
     a("--staleness", "refresh the sampler every S+1 steps; S >= steps: frozen", type=int, default=0)
-    a = flags("evaluation: greedy, clean bf16 sampler; the drift meter; bandit: the log cadence")
+    group = p.add_argument_group("evaluation: greedy, clean bf16; the drift meter; bandit: the log cadence")
     a("--eval-every", "evaluate every N steps", type=int)
     a("--eval-n", "held-out prompts: the first N GSM8K test problems; N fixed sequence prompts", type=int)
-    a("--probe-n", "probe prompts of the drift meter (gsm8k: the first N test problems)", type=int,
-      default=64)
+    a("--probe-n", "the drift meter's probe prompts (gsm8k: the first N test problems)", type=int, default=64)
     a("--arms", "bandit arms", type=int, default=16)
 
 def mistakes(args, chosen):  # one line per mistake; checks are (is it wrong, what to do), grouped by concern
@@ -96,8 +82,7 @@ def mistakes(args, chosen):  # one line per mistake; checks are (is it wrong, wh
         (args.lora_alpha is not None and args.lora is None, "--lora-alpha needs --lora"),
         (args.seeds and (not args.compare or bandit), "--seeds is for --compare on --task gsm8k or sequence"),
         (args.compare and args.save, "--save keeps one policy: drop --compare"),
-        (args.plot and not args.compare, "--plot draws the --compare runs: add --compare")]
-    task = [
+        (args.plot and not args.compare, "--plot draws the --compare runs: add --compare"),
         (bandit and bool(args.save or args.data_dir or args.lora or args.kv_quant or args.save_every
                          or args.resume or "sampler" in chosen),
          "--save, --data-dir, --lora, --sampler, --kv-quant, --save-every and --resume are not for --task "
@@ -125,7 +110,7 @@ def mistakes(args, chosen):  # one line per mistake; checks are (is it wrong, wh
          f"--resume {args.resume}: that run has finished and its state is gone; nothing to --save"),
         (args.save and os.path.realpath(args.save) == os.path.realpath(args.model),
          "--save would overwrite the --model checkpoint: pick another folder")]
-    return [msg for bad, msg in numbers + combinations + task + paths if bad]
+    return [msg for bad, msg in numbers + combinations + paths if bad]
 
 def parse_args(argv, recipe, description):
     p = argparse.ArgumentParser(description=description)
@@ -134,17 +119,15 @@ def parse_args(argv, recipe, description):
     if args.resume and os.path.isfile(f"{args.resume}/run.json"):  # the run's own flags are the defaults
         p.set_defaults(**json.load(open(f"{args.resume}/run.json")))
         args = p.parse_args(argv)
-    chosen = {k for k in recipe[args.task] if getattr(args, k) is not None}
-    for k, d in recipe[args.task].items():
-        setattr(args, k, d if getattr(args, k) is None else getattr(args, k))
+    chosen = {k for k in recipe[args.task] if getattr(args, k) is not None}  # the rest: the task's defaults
+    vars(args).update({k: d for k, d in recipe[args.task].items() if k not in chosen})
     B, devices = args.prompts * args.group, jax.local_device_count()
     divisors = [d for d in range(devices, min(B, 16) + 1, devices) if B % d == 0]
     args.micro_batch = (divisors or [max(B, 1)])[-1] if args.micro_batch is None else args.micro_batch
     args.lora_alpha = args.lora if args.lora_alpha is None else args.lora_alpha
     errors = mistakes(args, chosen)
     try:
-        if args.save:
-            qwen3.check_save_dir(args.save)
+        qwen3.check_save_dir(args.save) if args.save else None
     except ValueError as e:
         errors.append(f"--save {e}")
     if args.resume and not errors:
@@ -170,11 +153,12 @@ def start(args):  # the run's folder and run.json (not rewritten by a resume), a
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         if not args.resume:
-            write_json(os.path.join(args.out, "run.json"), run_config(args))
+            atomic(os.path.join(args.out, "run.json"), lambda f: json.dump(run_config(args), f, indent=1))
     print("config " + json.dumps(vars(args)), flush=True)
 
 # ---------------------------------------------------------------------------------------------------------
-# logs: one fixed-width line per step; the same numbers in metrics.jsonl, flushed as they are made
+# logs: one fixed-width line per step, the same numbers in metrics.jsonl (flushed as they are made); the
+# resumable state; Ctrl-C; the checkpoint's tokenizer files; GSM8K's files
 
 COLUMNS = dict(reward="{:6.3f}", acc="{:6.3f}", drift="{:8.2e}", grad_norm="{:8.2e}", kl_q_p="{:+9.2e}",
                logprob_gap="{:8.2e}", entropy="{:6.3f}", length="{:6.1f}", seconds="{:6.1f}")
@@ -184,67 +168,59 @@ def log_step(row, steps, columns, out=None):
     cells = [f"{k} " + (COLUMNS[k].format(row[k]) if k in row else "-" * len(COLUMNS[k].format(0)))
              for k in columns]
     print(" | ".join([f"step {row['step']:>{len(str(steps))}}/{steps}", *cells]), flush=True)
-    if out:
-        append_rows(out, [row])
+    append_rows(out, [row])
 
-def append_rows(out, rows):
-    with LOCK, open(os.path.join(out, "metrics.jsonl"), "a") as f:
+def append_rows(out, rows):  # to out/metrics.jsonl; no out, no file
+    with LOCK, open(os.path.join(out, "metrics.jsonl") if out else os.devnull, "a") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
 
-def write_json(file, data):  # a temporary name, then a rename: the file is either the old one or the new
+def atomic(file, write, mode="w"):  # write(f) to a temporary name, then rename: old file or new, never half
     with LOCK:
-        with open(file + ".tmp", "w") as f:
-            json.dump(data, f, indent=1)
+        with open(file + ".tmp", mode) as f:
+            write(f)
         os.replace(file + ".tmp", file)
 
 def write_summary(out, summary):
     print("summary " + json.dumps(summary))
     if out:
-        write_json(os.path.join(out, "summary.json"), summary)
+        atomic(os.path.join(out, "summary.json"), lambda f: json.dump(summary, f, indent=1))
     return summary
 
 def finished(out):  # the summary of a run that has ended (a --resume of it), else None
-    file = out and os.path.join(out, "summary.json")
-    return json.load(open(file)) if file and os.path.exists(file) else None
+    return json.load(open(f)) if out and os.path.exists(f := os.path.join(out, "summary.json")) else None
 
-def summarize(hist, steps):  # drift and accuracy per evaluation, peak, final and drop, the mismatch, reward
-    final = str(steps)
+def finish(out, hist, steps):  # summary.json: drift and score per evaluation, peak, final, drop, mismatch
+    final, acc = str(steps), hist["acc"]
     summary = dict(drift=hist["drift"], final_drift=hist["drift"][final],
                    mean_kl_q_p=float(np.mean(hist["kl_q_p"])),
                    reward=float(np.mean(hist["reward"][-5:])))  # the last 5 steps' mean training reward
-    if hist["acc"]:
-        peak = max(hist["acc"].values())
-        summary |= dict(eval_acc=hist["acc"], peak_acc=peak, final_acc=hist["acc"][final],
-                        drop=peak - hist["acc"][final])
+    if acc:
+        summary |= dict(eval_acc=acc, peak_acc=max(acc.values()), final_acc=acc[final],
+                        drop=max(acc.values()) - acc[final])
+    write_summary(out, summary)
+    if out and os.path.exists(os.path.join(out, "state.npz")):  # written: the state (weights, Adam) can go
+        os.remove(os.path.join(out, "state.npz"))
     return summary
 
-# ---------------------------------------------------------------------------------------------------------
-# the resumable state and Ctrl-C
-
 def save_state(file, hist, *trees):  # float32 leaves (bf16 ones widened exactly), then an atomic rename
-    leaves = [np.asarray(x, np.float32 if x.dtype == jnp.bfloat16 else x.dtype)
-              for x in jax.tree.leaves(trees)]
-    with LOCK:
-        with open(file + ".tmp", "wb") as f:
-            np.savez(f, hist=np.array(json.dumps(hist)), **{f"a{i}": x for i, x in enumerate(leaves)})
-        os.replace(file + ".tmp", file)
+    leaves = {f"a{i}": np.asarray(x, np.float32 if x.dtype == jnp.bfloat16 else x.dtype)
+              for i, x in enumerate(jax.tree.leaves(trees))}
+    atomic(file, lambda f: np.savez(f, hist=np.array(json.dumps(hist)), **leaves), "wb")
 
 def resume(out, hist, sharding, *trees):  # hist and trees from out's state, if any; metrics.jsonl cut there
     file = out and os.path.join(out, "state.npz")
     if out and os.path.exists(file):
         with np.load(file) as z:  # the trees as saved, shaped and typed like the templates `trees`
             leaves, tree = jax.tree.flatten(trees)
-            if len(z.files) != len(leaves) + 1 or any(z[f"a{i}"].shape != x.shape
-                                                      for i, x in enumerate(leaves)):
+            if [z[f"a{i}"].shape for i in range(len(z.files) - 1)] != [x.shape for x in leaves]:
                 raise ValueError(f"{file} does not match this run (model, --lora, --optimizer, --staleness)")
             hist, trees = json.loads(str(z["hist"])), tree.unflatten(
                 [jax.device_put(z[f"a{i}"].astype(x.dtype), sharding) for i, x in enumerate(leaves)])
         print(f"resumed {out} at step {hist['step']}", flush=True)
-    if out:  # rows past the saved state belong to the interrupted run: they are logged again
+    if out:  # rows past the saved state, or cut by a kill mid-write, are the interrupted run's: logged again
         rows = open(os.path.join(out, "metrics.jsonl")).readlines() if hist["step"] else []
-        rows = [r for r in rows if r.endswith("\n")]  # a row cut by a kill mid-write is dropped
-        with LOCK, open(os.path.join(out, "metrics.jsonl"), "w") as f:
-            f.writelines(r for r in rows if json.loads(r)["step"] < hist["step"])
+        rows = [r for r in rows if r.endswith("\n") and json.loads(r)["step"] < hist["step"]]
+        atomic(os.path.join(out, "metrics.jsonl"), lambda f: f.writelines(rows))
     return hist, trees
 
 def at_step(step, out, run_dir, saved):  # for Ctrl-C: where the run is, and how to continue it
@@ -256,10 +232,8 @@ def interruptible(work):  # work() in a thread, so that Ctrl-C is honoured at on
     try:
         return future.result()
     except KeyboardInterrupt:
-        try:
+        with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C: stop waiting
             LOCK.acquire(timeout=60)  # a file being written is finished first: metrics.jsonl stays valid
-        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting
-            pass
         print(f"\ninterrupted {PROGRESS.get('where', 'before the first step')}", flush=True)
         os._exit(130)
 
@@ -268,9 +242,6 @@ def save_checkpoint(path, cfg, weights, tokenizer_dir):  # qwen3.save, then the 
     for f in os.listdir(tokenizer_dir) if tokenizer_dir else []:
         if f.endswith((".json", ".txt")) and f not in ("config.json", "model.safetensors.index.json"):
             shutil.copy(os.path.join(tokenizer_dir, f), path)
-
-# ---------------------------------------------------------------------------------------------------------
-# GSM8K's files
 
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/%s"
 
@@ -292,17 +263,16 @@ def read_gsm8k(data_dir, split, normalise):
         os.replace(path + ".part", path)
         print()
     problems = []
-    with open(path, "rb") as f:
-        for n, line in enumerate(f, 1):
-            try:
-                if line.strip():  # blank lines (a trailing one, say) are not problems
-                    row = json.loads(line.decode("utf-8"))
-                    gold = normalise(row["answer"].split("####")[1])
-                    assert re.fullmatch(r"-?\d+(\.\d+)?", gold), f"the gold answer {gold!r} is not a number"
-                    problems.append((row["question"], gold))
-            except (ValueError, KeyError, IndexError, TypeError, AttributeError, AssertionError) as e:
-                raise ValueError(f"{path}:{n}: not a GSM8K line with a 'question' and an 'answer' ending in "
-                                 f"'#### <number>' ({type(e).__name__}: {e})") from None
+    for n, line in enumerate(open(path, "rb").read().split(b"\n"), 1):
+        try:
+            if line.strip():  # blank lines (a trailing one, say) are not problems
+                row = json.loads(line.decode("utf-8"))
+                gold = normalise(row["answer"].split("####")[1])
+                assert re.fullmatch(r"-?\d+(\.\d+)?", gold), f"the gold answer {gold!r} is not a number"
+                problems.append((row["question"], gold))
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError, AssertionError) as e:
+            raise ValueError(f"{path}:{n}: not a GSM8K line with a 'question' and an 'answer' ending in "
+                             f"'#### <number>' ({type(e).__name__}: {e})") from None
     if not problems:
         raise ValueError(f"{path} holds no problems: pass --data-dir with GSM8K's train.jsonl and test.jsonl")
     return problems
@@ -317,10 +287,9 @@ def table(first, rows, columns):  # {name: {column: value}} -> a fixed-width tab
         print(f"{name:22s} " + " ".join(f"{f.format(r[c]):>{width[c]}}" for c, f in columns.items()))
 
 def plot(file, panels):  # panels: [(title, y label, {label: (x, y, matplotlib style)})], side by side
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.3), dpi=100, squeeze=False)
+    from matplotlib.figure import Figure  # no pyplot: no window, no global state
+    fig = Figure(figsize=(5.5 * len(panels), 3.3), dpi=100)
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (title, ylabel, curves) in zip(axes[0], panels):
         for label, (x, y, style) in curves.items():
             ax.plot(x, y, style, label=label, lw=0.8 if style.endswith(":") else 1.5)
@@ -333,8 +302,7 @@ def plot(file, panels):  # panels: [(title, y label, {label: (x, y, matplotlib s
 
 def verdict(runs, score="accuracy"):  # runs [{"uncentered": summary, "centered": summary}] over seeds
     mean = lambda arm, k: 100 * float(np.mean([r[arm][k] for r in runs]))  # noqa: E731  (in points)
-    du, dc, fu, fc = mean("uncentered", "drop"), mean("centered", "drop"), mean("uncentered", "final_acc"), \
-        mean("centered", "final_acc")
+    (du, dc), (fu, fc) = ([mean(arm, k) for arm in ("uncentered", "centered")] for k in ("drop", "final_acc"))
     facts = (f"drop {dc:.1f} points centred vs {du:.1f} uncentred, final {score} {fc:.1f} vs {fu:.1f} "
              f"(means over {len(runs)} seed{'s' * (len(runs) > 1)})")
     if dc <= 2 and du - dc >= 3 and fc >= fu - 1.5:
@@ -354,14 +322,13 @@ def report(args, cfg, res):  # --compare: the table, the verdict, the figure; re
                    mean_kl_q_p="{:+.2e}")
     table("run", res | {f"mean {arm}": {k: np.mean([r[arm][k] for r in by_seed]) for k in columns}
                         for arm in ("uncentered", "centered")}, columns)
-    score = "accuracy" if args.task == "gsm8k" else "held-out score"
+    score, name = ("accuracy", "GSM8K") if args.task == "gsm8k" else ("held-out score", "sequence task")
     summary = dict(res, verdict=verdict(by_seed, score))
     print(summary["verdict"])
     if args.plot:
         style = {k: "rb"[i % 2] + ("-", "--", "-.", ":")[i // 2 % 4] for i, k in enumerate(res)}  # off, on
         curves = lambda key: {k: (list(map(int, r[key])), list(r[key].values()), style[k])  # noqa: E731
                               for k, r in res.items()}
-        name = "GSM8K" if args.task == "gsm8k" else "sequence task"
         plot(args.plot, [(name, f"greedy {score}", curves("eval_acc")),
                          (name, "drift  KL(p_0 || p_t) on the probe", curves("drift"))])
     return write_summary(args.out, summary)
@@ -371,9 +338,8 @@ def report_bandit(args, runs):  # runs {(sampler, centred): bandit result}
           f"{args.steps} steps, lr {args.lr}, seed {args.seed}; gap TV(q, p) {runs['online', 0]['gap']:.3f}")
     table("sampler centring", {f"{s} {'on' if c else 'off'}": r for (s, c), r in runs.items()},
           {"drift": "{:.3f}", "reward": "{:.3f}"})
-    if args.out:
-        append_rows(args.out, [dict(sampler=s, center=bool(c), step=i + 1, drift=d)
-                               for (s, c), r in runs.items() for i, d in enumerate(r["curve"])])
+    append_rows(args.out, [dict(sampler=s, center=bool(c), step=i + 1, drift=d)
+                           for (s, c), r in runs.items() for i, d in enumerate(r["curve"])])
     if args.plot:
         x = np.arange(1, args.steps + 1)
         curves = {f"{s} sampler, centring {'on' if c else 'off'}": (x, runs[s, c]["curve"], "rb"[c] + line)

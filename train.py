@@ -281,10 +281,7 @@ def run(args, task, fn, center, seed, out):
                                w_sampler if args.staleness else None)
     if args.save:
         harness.save_checkpoint(args.save, task.cfg, jax.device_get(merge(params, base, scale)), task.path)
-    summary = harness.write_summary(out, harness.summarize(hist, args.steps))
-    if out and os.path.exists(os.path.join(out, "state.npz")):  # complete: its state (weights, Adam) goes
-        os.remove(os.path.join(out, "state.npz"))
-    return summary
+    return harness.finish(out, hist, args.steps)
 
 # ---------------------------------------------------------------------------------------------------------
 # the tasks: a model, training and test prompts (token lists) with their gold, and a batch reward:
@@ -326,7 +323,7 @@ def gsm8k_task(args):
 SEQUENCE = dict(model_type="qwen3", vocab_size=1024, hidden_size=64, intermediate_size=128,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=256, tie_word_embeddings=True)
-SHARPEN = 6.0  # the final norm's weight: entropy ~1.1 nats and top-128 mass > 0.99, like a trained LM's
+SHARPEN = 6.0  # the final norm's weight: entropy ~1 nat and top-128 mass > 0.99, like a trained LM's
 
 TEACHER_TOP = 3  # a completion token earns its reward when p_0 ranks it in its top 3 at the policy's prefix
 
@@ -334,7 +331,7 @@ def sequence_task(args):
     """A tiny Qwen3 p_0 from the seed; prompts of 8 random tokens: 512 to train on, --eval-n held out, then
     the probe. The reward: the fraction of completion tokens in the lower half of V that p_0 ranks in its
     top 3 at the prefix the policy wrote, a preference to learn while staying fluent by p_0's standard (the
-    stand-in for a pretrained LM's competence, which drift erodes). Held out: that reward, greedy completions."""
+    stand-in for a pretrained LM's competence, which drift erodes); the held-out score is its greedy mean."""
     cfg, rng = dict(SEQUENCE), np.random.default_rng(args.seed)
     V, (top, layers) = cfg["vocab_size"], qwen3.layout(cfg)
     if args.topk > V:
