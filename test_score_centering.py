@@ -1547,6 +1547,7 @@ def spy_center(monkeypatch):  # the `center` of every traced sc.loss call
     return seen
 
 
+@pytest.mark.xdist_group("gsm8k")  # one worker: the programs it compiles are reused
 def test_train_end_to_end_writes_metrics_summary_and_a_checkpoint(tmp_path, gsm, capsys, monkeypatch):
     seen = spy_center(monkeypatch)
     summary = train.main(tiny_argv(gsm, "--center", "--sampler", "fp8", "--kv-quant", "int8",
@@ -1568,6 +1569,7 @@ def test_train_end_to_end_writes_metrics_summary_and_a_checkpoint(tmp_path, gsm,
     assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(saved.weights))
 
 
+@pytest.mark.xdist_group("gsm8k")  # one worker: the programs it compiles are reused
 def test_gsm8k_compare_runs_both_arms_from_the_same_start(tmp_path, gsm, capsys, monkeypatch):
     seen = spy_center(monkeypatch)
     plot = ["--plot", str(tmp_path / "figs" / "cmp.png")] if importlib.util.find_spec("matplotlib") else []
@@ -1587,6 +1589,7 @@ def test_gsm8k_compare_runs_both_arms_from_the_same_start(tmp_path, gsm, capsys,
     assert not plot or os.path.getsize(tmp_path / "figs" / "cmp.png") > 1000
 
 
+@pytest.mark.xdist_group("sequence")  # one worker: the programs it compiles are reused
 def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, capsys, monkeypatch):
     """The full LLM loop (sampler, KV cache, int8 + noise, top-k record, train step), shortened: on two seeds,
     uncentred GRPO walks farther and its held-out score falls further than centred GRPO's."""
@@ -1610,6 +1613,7 @@ def _strip(rows):  # metrics rows without their wall-clock times
     return [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
 
 
+@pytest.mark.xdist_group("sequence")  # one worker: the programs it compiles are reused
 def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(tmp_path, monkeypatch):
     def flags(lr="1e-3"):  # int8, noise, a stale sampler: the rows depend on the random and the saved state
         return ["--task", "sequence", "--steps", "4", "--save-every", "2", "--staleness", "2",
@@ -1641,6 +1645,7 @@ def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(tm
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
 
 
+@pytest.mark.xdist_group("gsm8k")  # one worker: the programs it compiles are reused
 def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
     import signal, subprocess, time
     out = tmp_path / "run"
@@ -1663,6 +1668,7 @@ def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
     assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) >= 3
 
 
+@pytest.mark.xdist_group("gsm8k")  # one worker: the programs it compiles are reused
 def test_staleness_refreshes_the_sampler_every_s_plus_1_steps(gsm, monkeypatch):
     calls, real = [], train.sampler_weights
 
@@ -1670,8 +1676,9 @@ def test_staleness_refreshes_the_sampler_every_s_plus_1_steps(gsm, monkeypatch):
         calls.append(kind)
         return real(w, kind, *a)
     monkeypatch.setattr(train, "sampler_weights", spy)
-    train.main(tiny_argv(gsm, "--steps", "5", "--eval-every", "5", "--sampler", "int8", "--staleness", "1"))
-    assert calls.count("int8") == 3, calls  # steps 0, 2, 4
+    train.main(tiny_argv(gsm, "--steps", "5", "--eval-every", "5", "--sampler", "fp8", "--kv-quant", "int8",
+                         "--staleness", "1"))  # the end-to-end test's sampler: the same programs
+    assert calls.count("fp8") == 3, calls  # steps 0, 2, 4
 
 
 def test_relative_paths_to_new_folders_are_accepted(tmp_path, monkeypatch):
@@ -1717,6 +1724,7 @@ def test_lora_starts_at_the_base_and_its_gradient_is_the_chain_rule(tiny):
         assert float(jnp.abs(ab["b"]).max()) > 1e-4, name
 
 
+@pytest.mark.xdist_group("sequence")  # one worker: the programs it compiles are reused
 def test_lora_run_saves_merged_weights_that_transformers_reads(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -1796,6 +1804,7 @@ def _error(argv, capsys):  # the one line a bad run prints (parse errors on stde
     return text
 
 
+@pytest.mark.xdist_group("gsm8k")  # one worker: the programs it compiles are reused
 def test_bad_paths_fail_before_anything_is_written(tmp_path, gsm, capsys, monkeypatch):
     (tmp_path / "file").write_text("x")
     (tmp_path / "used").mkdir()
@@ -1813,6 +1822,7 @@ def test_bad_paths_fail_before_anything_is_written(tmp_path, gsm, capsys, monkey
     assert "matplotlib" in _error(tiny_argv(gsm, "--compare", "--plot", str(tmp_path / "p.png")), capsys)
 
 
+@pytest.mark.xdist_group("gsm8k")  # one worker: the programs it compiles are reused
 @pytest.mark.parametrize("content, match", [
     (b"", "holds no problems"),
     (b'{"question": "q", "answer": "#### 4"}\n\xff\xfe\n', "train.jsonl:2"),
@@ -1833,6 +1843,7 @@ def test_trailing_blank_line_is_tolerated(tmp_path):
     assert problems == [("What is 0 + 0?", "0"), ("What is 1 + 1?", "2")]
 
 
+@pytest.mark.xdist_group("gsm8k")  # one worker: the programs it compiles are reused
 def test_flags_checked_against_the_checkpoint_and_offline_data(tmp_path, gsm, capsys, monkeypatch):
     assert "--topk 400" in _error(tiny_argv(gsm, "--topk", "400"), capsys)
     assert "--topk 10000 exceeds" in _error(["--task", "sequence", "--topk", "10000"], capsys)
