@@ -2,7 +2,7 @@
 
     python train.py --center                                  # Qwen3-0.6B on GSM8K, score-centred
     python train.py --compare --out runs/gsm8k --plot gsm8k.png   # centring off, then on: same seed and noise
-    python train.py --task sequence --compare                 # drift on the LLM code path, a minute on a CPU
+    python train.py --task sequence --compare                 # what drift costs, LLM code path, CPU: a minute
     python train.py --task bandit --baseline none --compare   # the mechanism in seconds, on a CPU
 
 What it is: REINFORCE with a group-mean baseline, whose rollouts come from a copy of the policy that runs with
