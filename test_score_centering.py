@@ -2,10 +2,12 @@
 reference (exact enumeration, a closed form, Hugging Face's implementation), never the code's own output."""
 import base64, fnmatch, importlib.machinery, importlib.util, json, os, re, shutil, sys, types, unicodedata
 
-# 4 CPU devices for the sharding tests; the suite compiles many small programs: XLA's CPU backend
-# optimisation level 0 compiles them in a fraction of the time
+# 4 CPU devices for the sharding tests; the suite compiles many small programs and runs each a few times:
+# XLA's CPU backend at optimisation level 0, without its fusion emitters, in one codegen module compiles them in
+# a third of the time (measured: a short sequence run 18 s -> 9 s)
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-                           " --xla_backend_optimization_level=0")
+                           " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+                           " --xla_cpu_parallel_codegen_split_count=1")
 import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
@@ -1547,7 +1549,6 @@ def spy_center(monkeypatch):  # the `center` of every traced sc.loss call
     return seen
 
 
-@pytest.mark.xdist_group("gsm8k")  # one worker: the programs it compiles are reused
 def test_train_end_to_end_writes_metrics_summary_and_a_checkpoint(tmp_path, gsm, capsys, monkeypatch):
     seen = spy_center(monkeypatch)
     summary = train.main(tiny_argv(gsm, "--center", "--sampler", "fp8", "--kv-quant", "int8",
@@ -1569,7 +1570,6 @@ def test_train_end_to_end_writes_metrics_summary_and_a_checkpoint(tmp_path, gsm,
     assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(saved.weights))
 
 
-@pytest.mark.xdist_group("gsm8k")  # one worker: the programs it compiles are reused
 def test_gsm8k_compare_runs_both_arms_from_the_same_start(tmp_path, gsm, capsys, monkeypatch):
     seen = spy_center(monkeypatch)
     plot = ["--plot", str(tmp_path / "figs" / "cmp.png")] if importlib.util.find_spec("matplotlib") else []
@@ -1589,7 +1589,6 @@ def test_gsm8k_compare_runs_both_arms_from_the_same_start(tmp_path, gsm, capsys,
     assert not plot or os.path.getsize(tmp_path / "figs" / "cmp.png") > 1000
 
 
-@pytest.mark.xdist_group("sequence")  # one worker: the programs it compiles are reused
 def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, capsys, monkeypatch):
     """The full LLM loop (sampler, KV cache, int8 + noise, top-k record, train step), shortened: on two seeds,
     uncentred GRPO walks farther and its held-out score falls further than centred GRPO's."""
@@ -1613,7 +1612,6 @@ def _strip(rows):  # metrics rows without their wall-clock times
     return [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
 
 
-@pytest.mark.xdist_group("sequence")  # one worker: the programs it compiles are reused
 def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(tmp_path, monkeypatch):
     def flags(lr="1e-3"):  # int8, noise, a stale sampler: the rows depend on the random and the saved state
         return ["--task", "sequence", "--steps", "4", "--save-every", "2", "--staleness", "2",
@@ -1645,14 +1643,13 @@ def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(tm
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
 
 
-@pytest.mark.xdist_group("gsm8k")  # one worker: the programs it compiles are reused
 def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
     import signal, subprocess, time
     out = tmp_path / "run"
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
            *tiny_argv(gsm, "--steps", "100000", "--out", str(out))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu",  # the programs compiled above, reused
+                            env=dict(os.environ, JAX_PLATFORMS="cpu",  # programs this process compiled, reused
                                      JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
                                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"))
     deadline = time.time() + 120
@@ -1668,7 +1665,6 @@ def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
     assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) >= 3
 
 
-@pytest.mark.xdist_group("gsm8k")  # one worker: the programs it compiles are reused
 def test_staleness_refreshes_the_sampler_every_s_plus_1_steps(gsm, monkeypatch):
     calls, real = [], train.sampler_weights
 
@@ -1677,7 +1673,7 @@ def test_staleness_refreshes_the_sampler_every_s_plus_1_steps(gsm, monkeypatch):
         return real(w, kind, *a)
     monkeypatch.setattr(train, "sampler_weights", spy)
     train.main(tiny_argv(gsm, "--steps", "5", "--eval-every", "5", "--sampler", "fp8", "--kv-quant", "int8",
-                         "--staleness", "1"))  # the end-to-end test's sampler: the same programs
+                         "--staleness", "1"))  # the end-to-end test's sampler and kv cache
     assert calls.count("fp8") == 3, calls  # steps 0, 2, 4
 
 
@@ -1724,7 +1720,6 @@ def test_lora_starts_at_the_base_and_its_gradient_is_the_chain_rule(tiny):
         assert float(jnp.abs(ab["b"]).max()) > 1e-4, name
 
 
-@pytest.mark.xdist_group("sequence")  # one worker: the programs it compiles are reused
 def test_lora_run_saves_merged_weights_that_transformers_reads(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -1804,7 +1799,6 @@ def _error(argv, capsys):  # the one line a bad run prints (parse errors on stde
     return text
 
 
-@pytest.mark.xdist_group("gsm8k")  # one worker: the programs it compiles are reused
 def test_bad_paths_fail_before_anything_is_written(tmp_path, gsm, capsys, monkeypatch):
     (tmp_path / "file").write_text("x")
     (tmp_path / "used").mkdir()
@@ -1822,7 +1816,6 @@ def test_bad_paths_fail_before_anything_is_written(tmp_path, gsm, capsys, monkey
     assert "matplotlib" in _error(tiny_argv(gsm, "--compare", "--plot", str(tmp_path / "p.png")), capsys)
 
 
-@pytest.mark.xdist_group("gsm8k")  # one worker: the programs it compiles are reused
 @pytest.mark.parametrize("content, match", [
     (b"", "holds no problems"),
     (b'{"question": "q", "answer": "#### 4"}\n\xff\xfe\n', "train.jsonl:2"),
@@ -1843,7 +1836,6 @@ def test_trailing_blank_line_is_tolerated(tmp_path):
     assert problems == [("What is 0 + 0?", "0"), ("What is 1 + 1?", "2")]
 
 
-@pytest.mark.xdist_group("gsm8k")  # one worker: the programs it compiles are reused
 def test_flags_checked_against_the_checkpoint_and_offline_data(tmp_path, gsm, capsys, monkeypatch):
     assert "--topk 400" in _error(tiny_argv(gsm, "--topk", "400"), capsys)
     assert "--topk 10000 exceeds" in _error(["--task", "sequence", "--topk", "10000"], capsys)
