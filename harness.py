@@ -1,11 +1,12 @@
 """What never changes a number the run computes (skip it on a first read of train.py): flags and their checks,
 logs and metrics.jsonl, run.json, the resumable state, Ctrl-C, GSM8K's files, tables, figures, the verdict."""
-import argparse, concurrent.futures, contextlib, importlib.util, json, math, os, re, shutil, threading
+import argparse, concurrent.futures, contextlib, importlib.util, json, math, os, re, shutil, sys, threading
 import urllib.request
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 import qwen3
 
@@ -32,6 +33,7 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
     a("--resume", "continue the run in this --out folder, with the flags it was started with")
     a("--save", "write the trained policy here as a Hugging Face checkpoint")
     a("--plot", "with --compare: draw the curves into this PNG (needs matplotlib)")
+    a("--plan", "print the memory per device this run needs (reads config.json only)", action="store_true")
     group = p.add_argument_group("RL")
     a("--steps", "optimizer steps", type=int)
     a("--prompts", "prompts per step", type=int)
@@ -59,7 +61,7 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
 
 def mistakes(args, chosen):  # one line per mistake; checks are (is it wrong, what to do), grouped by concern
     v, name = vars(args), lambda k: "--" + k.replace("_", "-")  # noqa: E731
-    B, devices, bandit = args.prompts * args.group, jax.local_device_count(), args.task == "bandit"
+    B, devices, bandit = args.prompts * args.group, jax.device_count(), args.task == "bandit"
     where = args.resume or args.out
     numbers = [(v[k] is not None and v[k] < 1, f"{name(k)} must be >= 1") for k in (
         "steps", "prompts", "group", "max_tokens", "eval_every", "eval_n", "probe_n", "arms", "micro_batch",
@@ -74,7 +76,7 @@ def mistakes(args, chosen):  # one line per mistake; checks are (is it wrong, wh
          f"--mis LO,HI needs 0 <= LO < HI, got {args.mis}"),
         (not bandit and min(B, args.micro_batch) > 0 and (B % args.micro_batch or args.micro_batch % devices),
          f"--micro-batch {args.micro_batch} must divide --prompts x --group = {B} and be a multiple of the "
-         f"{devices} local devices")]
+         f"{devices} devices")]
     combinations = [
         (args.compare and args.center, "--compare runs centring off and on: drop --center"),
         (args.mis and args.tis_cap is not None, "--mis and --tis-cap are two importance weights: pick one"),
@@ -83,6 +85,7 @@ def mistakes(args, chosen):  # one line per mistake; checks are (is it wrong, wh
         (args.seeds and (not args.compare or bandit), "--seeds is for --compare on --task gsm8k or sequence"),
         (args.compare and args.save, "--save keeps one policy: drop --compare"),
         (args.plot and not args.compare, "--plot draws the --compare runs: add --compare"),
+        (args.plan and (bandit or args.compare or args.resume), "--plan is for one run: drop --compare, --resume"),
         (bandit and bool(args.save or args.data_dir or args.lora or args.kv_quant or args.save_every
                          or args.resume or "sampler" in chosen),
          "--save, --data-dir, --lora, --sampler, --kv-quant, --save-every and --resume are not for --task "
@@ -121,7 +124,7 @@ def parse_args(argv, recipe, description):
         args = p.parse_args(argv)
     chosen = {k for k in recipe[args.task] if getattr(args, k) is not None}  # the rest: the task's defaults
     vars(args).update({k: d for k, d in recipe[args.task].items() if k not in chosen})
-    B, devices = args.prompts * args.group, jax.local_device_count()
+    B, devices = args.prompts * args.group, jax.device_count()
     divisors = [d for d in range(devices, min(B, 16) + 1, devices) if B % d == 0]
     args.micro_batch = (divisors or [max(B, 1)])[-1] if args.micro_batch is None else args.micro_batch
     args.lora_alpha = args.lora if args.lora_alpha is None else args.lora_alpha
@@ -149,7 +152,19 @@ def writable(path):  # the nearest existing folder on the way to `path` lets us 
 def run_config(args):  # the flags a resumed run starts from and must share (all but --save-every)
     return {k: v for k, v in vars(args).items() if k not in ("out", "resume", "save", "plot")}
 
+def join_processes(env=os.environ):
+    """One of JAX_NUM_PROCESSES processes (hosts): JAX_PROCESS_ID is its rank, JAX_COORDINATOR_ADDRESS the
+    host:port of process 0. Process 0 prints and writes; every process reads (--resume: a shared folder)."""
+    if int(env.get("JAX_NUM_PROCESSES", 1)) > 1 and not jax.distributed.is_initialized():
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # for CPU devices (the tests)
+        jax.distributed.initialize(num_processes=int(env["JAX_NUM_PROCESSES"]),
+                                   process_id=int(env["JAX_PROCESS_ID"]))
+    if jax.process_index():
+        sys.stdout = open(os.devnull, "w")
+
 def start(args):  # the run's folder and run.json (not rewritten by a resume), and the config line
+    if jax.process_count() > 1:  # every process has checked the flags before process 0 makes --out
+        multihost_utils.sync_global_devices("flags checked")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         if not args.resume:
@@ -170,12 +185,15 @@ def log_step(row, steps, columns, out=None):
     print(" | ".join([f"step {row['step']:>{len(str(steps))}}/{steps}", *cells]), flush=True)
     append_rows(out, [row])
 
-def append_rows(out, rows):  # to out/metrics.jsonl; no out, no file
-    with LOCK, open(os.path.join(out, "metrics.jsonl") if out else os.devnull, "a") as f:
+def append_rows(out, rows):  # to out/metrics.jsonl; no out (or not process 0), no file
+    with LOCK, open(os.path.join(out, "metrics.jsonl") if out and not jax.process_index() else os.devnull,
+                    "a") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
 
 def atomic(file, write, mode="w"):  # write(f) to a temporary name, then rename: old file or new, never half
     with LOCK:
+        if jax.process_index():  # process 0 writes
+            return
         with open(file + ".tmp", mode) as f:
             write(f)
         os.replace(file + ".tmp", file)
@@ -198,7 +216,7 @@ def finish(out, hist, steps):  # summary.json: drift and score per evaluation, p
         summary |= dict(eval_acc=acc, peak_acc=max(acc.values()), final_acc=acc[final],
                         drop=max(acc.values()) - acc[final])
     write_summary(out, summary)
-    if out and os.path.exists(os.path.join(out, "state.npz")):  # written: the state (weights, Adam) can go
+    if out and os.path.exists(os.path.join(out, "state.npz")) and not jax.process_index():  # it can go
         os.remove(os.path.join(out, "state.npz"))
     return summary
 
@@ -207,15 +225,15 @@ def save_state(file, hist, *trees):  # float32 leaves (bf16 ones widened exactly
               for i, x in enumerate(jax.tree.leaves(trees))}
     atomic(file, lambda f: np.savez(f, hist=np.array(json.dumps(hist)), **leaves), "wb")
 
-def resume(out, hist, sharding, *trees):  # hist and trees from out's state, if any; metrics.jsonl cut there
+def resume(out, hist, *trees):  # hist and trees from out's state, if any; metrics.jsonl cut there
     file = out and os.path.join(out, "state.npz")
     if out and os.path.exists(file):
-        with np.load(file) as z:  # the trees as saved, shaped and typed like the templates `trees`
+        with np.load(file) as z:  # the trees as saved, shaped, typed and placed like the templates `trees`
             leaves, tree = jax.tree.flatten(trees)
             if [z[f"a{i}"].shape for i in range(len(z.files) - 1)] != [x.shape for x in leaves]:
                 raise ValueError(f"{file} does not match this run (model, --lora, --optimizer, --staleness)")
             hist, trees = json.loads(str(z["hist"])), tree.unflatten(
-                [jax.device_put(z[f"a{i}"].astype(x.dtype), sharding) for i, x in enumerate(leaves)])
+                [jax.device_put(z[f"a{i}"].astype(x.dtype), x.sharding) for i, x in enumerate(leaves)])
         print(f"resumed {out} at step {hist['step']}", flush=True)
     if out:  # rows past the saved state, or cut by a kill mid-write, are the interrupted run's: logged again
         rows = open(os.path.join(out, "metrics.jsonl")).readlines() if hist["step"] else []
@@ -325,7 +343,7 @@ def report(args, cfg, res):  # --compare: the table, the verdict, the figure; re
     score, name = ("accuracy", "GSM8K") if args.task == "gsm8k" else ("held-out score", "sequence task")
     summary = dict(res, verdict=verdict(by_seed, score))
     print(summary["verdict"])
-    if args.plot:
+    if args.plot and not jax.process_index():
         style = {k: "rb"[i % 2] + ("-", "--", "-.", ":")[i // 2 % 4] for i, k in enumerate(res)}  # off, on
         curves = lambda key: {k: (list(map(int, r[key])), list(r[key].values()), style[k])  # noqa: E731
                               for k, r in res.items()}

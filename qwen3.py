@@ -64,6 +64,7 @@ CHAT = '<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</thin
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
 DTYPES = {'BF16': ml_dtypes.bfloat16, 'F16': np.float16, 'F32': np.float32}  # safetensors dtypes we read
+ONE = lambda: jax.sharding.SingleDeviceSharding(jax.devices()[0])  # load()'s default placement
 SAVED_BY = {'format': 'pt', 'saved_by': 'score-centering'}  # save()'s mark, in the safetensors __metadata__
 def read_json(file, default=None):  # default: what a missing file reads as (None: the file must exist)
     try:
@@ -109,16 +110,20 @@ def fetch(repo, files):  # from the Hugging Face hub into its cache; returns the
     except Exception as e:  # offline, no such repo, gated...: the hub raises many types, we raise one line
         raise ValueError(f'{repo} could not be downloaded from the Hugging Face hub ({e!r:.150}): pass a '
                          'local checkpoint directory with --model') from None
-def load(path, dtype=jnp.float32):
-    """A Hugging Face checkpoint: a local directory, or a repo id owner/name such as Qwen/Qwen3-0.6B."""
+def config(path, files=('config.json',)):  # (config.json, a local directory); a repo id: fetch files first
     if not os.path.isdir(path := str(path)):  # only owner/name can be a repo id; its config is checked first
         if (not re.fullmatch(r'[\w-][\w.-]*/[\w.-]+', path) or os.path.exists(path)
                 or importlib.util.find_spec('huggingface_hub') is None):
             raise FileNotFoundError(f'{path} is not a directory: pass a checkpoint directory, or a repo id '
                                     'owner/name (this needs pip install huggingface_hub)')
         check_config(read_json(f"{fetch(path, ['config.json'])}/config.json"), f'{path}/config.json')
-        path = fetch(path, ['*.json', '*.safetensors', 'merges.txt'])
+        path = fetch(path, list(files))
     check_config(cfg := read_json(f'{path}/config.json'), f'{path}/config.json')
+    return cfg, path
+def load(path, dtype=jnp.float32, place=None):
+    """A Hugging Face checkpoint (a local directory, or a repo id such as Qwen/Qwen3-0.6B), each tensor mapped
+    from the file straight to its devices: place(shapes) gives their shardings (default: one device)."""
+    cfg, path = config(path, ['*.json', '*.safetensors', 'merges.txt'])
     top, layers, L = *layout(cfg), cfg['num_hidden_layers']
     expected = {n.format(i): s for n, s, _ in (*top.values(), *layers.values()) for i in range(L)}
     index, single = f'{path}/model.safetensors.index.json', f'{path}/model.safetensors'
@@ -136,10 +141,14 @@ def load(path, dtype=jnp.float32):
                f'{name} ends at byte {b}, the file has {size}: it is truncated' if b > size else '')
         if bad:
             raise ValueError(f'{f}: {bad}')
-    read = lambda f, dt, shape, a, *_: np.fromfile(f, DTYPES[dt], math.prod(shape), offset=a).reshape(shape)
-    weights = {k: jnp.asarray(read(*header[n]).astype(dtype)) for k, (n, _, _) in top.items()}
-    weights['layers'] = {k: jnp.asarray(np.stack([read(*header[n.format(i)]).astype(dtype).T.reshape(s)
-                         for i in range(L)])) for k, (n, _, s) in layers.items()}  # [out, in] -> [in, out]
+    mm = lambda f, dt, shape, a, *_: np.memmap(f, DTYPES[dt], 'r', a, shape)  # read only where sliced
+    src = {k: mm(*header[n]) for k, (n, _, _) in top.items()} | {'layers': {k: [  # [out, in] -> [in, out],
+           mm(*header[n.format(i)]).T.reshape(s) for i in range(L)] for k, (n, _, s) in layers.items()}}  # views
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((L, *x[0].shape) if isinstance(x, list) else x.shape,
+                                                         dtype), src, is_leaf=lambda x: isinstance(x, list))
+    part = lambda x, i: (np.stack([m[i[1:]] for m in x[i[0]]]) if isinstance(x, list) else x[i]).astype(dtype)
+    weights = jax.tree.map(lambda s, w, x: jax.make_array_from_callback(s.shape, w, lambda i: part(x, i)),
+                           shapes, (place or (lambda t: jax.tree.map(lambda _: ONE(), t)))(shapes), src)
     return Model(cfg, weights, load_tokenizer(path, cfg), path)
 def check_save_dir(out_dir):  # refuses a file, an unwritable folder, or a checkpoint save() did not write
     d = Path(out_dir).absolute()  # only looks: creates nothing

@@ -1,6 +1,6 @@
 """All tests: CPU only, no network, seconds to a minute. Each checks a mathematical property or an independent
 reference (exact enumeration, a closed form, Hugging Face's implementation), never the code's own output."""
-import base64, fnmatch, importlib.machinery, importlib.util, json, os, re, shutil, sys, types, unicodedata
+import base64, fnmatch, importlib.machinery, importlib.util, json, math, os, re, shutil, sys, types, unicodedata
 
 # 4 CPU devices for the sharding tests; the suite compiles many small programs and runs each a few times:
 # XLA's CPU backend at optimisation level 0, without its fusion emitters, in one codegen module compiles them in
@@ -707,6 +707,32 @@ def test_load_variants_agree(tmp_path):
     assert qwen3.load(str(tmp_path / 'a'), dtype=jnp.bfloat16).weights['embed'].dtype == jnp.bfloat16
 
 
+def test_sharded_checkpoint_loads_each_tensor_straight_into_its_shards(tmp_path, monkeypatch):
+    """A checkpoint in 3 safetensors files, loaded into train.py's FSDP layout on 4 devices (bf16 on disk,
+    float32 in memory): each device holds its shard only, each read returns one shard (never a whole split
+    tensor), and the values are those of a plain one-device load."""
+    path = write_tiny_checkpoint(str(tmp_path), tie=False, shards=3)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    reads, real = [], jax.make_array_from_callback
+
+    def spy(shape, sharding, read):  # the blocks read from the file, beside the shape of their tensor
+        return real(shape, sharding, lambda i: reads.append((shape, (x := read(i)).shape)) or x)
+    monkeypatch.setattr(jax, "make_array_from_callback", spy)
+    placed = qwen3.load(path, place=lambda shapes: train.shardings(shapes, mesh)).weights
+    monkeypatch.setattr(jax, "make_array_from_callback", real)
+    plain = qwen3.load(path).weights
+    split = 0
+    for x, y, s in zip(jax.tree.leaves(placed), jax.tree.leaves(plain),
+                       jax.tree.leaves(train.shardings(plain, mesh))):
+        assert x.sharding == s and x.dtype == jnp.float32
+        assert all(b.data.shape == s.shard_shape(x.shape) for b in x.addressable_shards)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        split += not s.is_fully_replicated
+    whole = len(jax.tree.leaves(plain)) - split  # a vector is read once for the 4 devices; a matrix in 4 parts
+    assert split >= 9 and len(reads) == 4 * split + whole
+    assert sorted(math.prod(b) * 4 == math.prod(s) for s, b in reads) == [False] * whole + [True] * 4 * split
+
+
 @pytest.mark.parametrize('tie', [True, False])
 def test_save_round_trip_and_transformers_reads_it(tmp_path, tie):
     m = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'src'), tie=tie))
@@ -846,7 +872,7 @@ def one_line(e):  # the message stands alone: one line, no chained traceback fro
 
 
 def no_tensor_reads(monkeypatch):
-    monkeypatch.setattr(np, 'fromfile', lambda *a, **k: pytest.fail('read a tensor before the checks'))
+    monkeypatch.setattr(np, 'memmap', lambda *a, **k: pytest.fail('read a tensor before the checks'))
 
 
 def rewrite_header(file, change):  # change(header dict) in place; the tensors' bytes are kept as they are
@@ -1371,29 +1397,109 @@ def test_kv_quantisation_error_is_bounded_and_compounds(tiny):
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_one_device_and_four_devices_give_the_same_step(tiny, lora):
+def test_one_device_and_four_devices_give_the_same_step(tiny, lora, monkeypatch):
+    """Two steps of SGD with momentum on 4 devices, FSDP (weights, gradients, momentum split; LoRA: the frozen
+    base split, the adapters whole) and replicated: the loss, metrics and weights of 1 device; the outputs
+    placed as the inputs came (no recompile)."""
     assert jax.device_count() == 4
     prompt, pos = _prompts(tiny.tokenizer, 16)
     out = train.make_sampler(tiny.cfg, 8, 8, STOP)(train.sampler_weights(tiny.weights, "int8"), prompt, pos,
                                                     jax.random.PRNGKey(0))
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 16))
-    res = []
-    for devices in (jax.devices()[:1], jax.devices()):
-        mesh = Mesh(np.array(devices), ("data",))
-        opt = optax.sgd(0.1)
-        w = jax.device_put(jax.tree.map(jnp.copy, tiny.weights), NamedSharding(mesh, P()))
+    fsdp, res = train.shardings, {}
+    for layout, devices in [("one", jax.devices()[:1]), ("replicated", jax.devices()),
+                            ("fsdp", jax.devices())]:
+        mesh, opt = Mesh(np.array(devices), ("data",)), optax.sgd(0.1, momentum=0.9)
+        replicated = NamedSharding(mesh, P())
+        monkeypatch.setattr(train, "shardings", (lambda t, m: replicated) if layout == "replicated" else fsdp)
+        w = jax.tree.map(jnp.copy, jax.device_put(tiny.weights, train.shardings(tiny.weights, mesh)))
         adapters = train.lora_init(w, 4, jax.random.PRNGKey(1))  # LoRA: they train, w is the frozen base
-        params = jax.device_put(adapters, NamedSharding(mesh, P())) if lora else w
-        kw = dict(center=True, tis_cap=2.0)
-        step = train.make_train_step(tiny.cfg, opt, kw, 8, mesh, 2.0 if lora else None)
-        res.append(step(params, opt.init(params), jax.device_put(batch, NamedSharding(mesh, P("data"))),
-                        w if lora else None))
-    (w1, _, m1), (w4, _, m4) = res
-    assert len(jax.tree.leaves(w4)[0].sharding.device_set) == 4 and float(m1["grad_norm"]) > 1e-3
-    np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-5, atol=1e-7)
-    for a, b in zip(jax.tree.leaves(w1), jax.tree.leaves(w4)):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+        params = jax.device_put(adapters, replicated) if lora else w
+        state = opt.init(params)
+        state = jax.device_put(state, replicated if lora else train.shardings(state, mesh))
+        step = train.make_train_step(tiny.cfg, opt, dict(center=True, tis_cap=2.0), 8, mesh, lora and 2.0)
+        placed, metrics = [x.sharding for x in jax.tree.leaves((params, state))], []
+        for i in range(2):  # the second step takes the first one's outputs as they are placed
+            params, state, m = step(params, state, jax.device_put(batch, NamedSharding(mesh, P("data"))),
+                                    w if lora else None)
+            metrics.append(m)
+        assert all(x.sharding.is_equivalent_to(s, x.ndim)
+                   for x, s in zip(jax.tree.leaves((params, state)), placed))
+        res[layout] = params, state, metrics
+    gate, mu = (res["fsdp"][0] if not lora else w)["layers"]["gate"], jax.tree.leaves(res["fsdp"][1])
+    assert gate.sharding.shard_shape(gate.shape) == (2, 32, 16)  # [L, D, F]: F split over the 4 devices
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(res["fsdp"][0]) if lora)
+    assert lora or {x.sharding.shard_shape(x.shape)[-1] * 4 for x in mu if x.shape == gate.shape} == {64}
+    for layout in ("replicated", "fsdp"):
+        for m1, m4 in zip(res["one"][2], res[layout][2]):
+            assert float(m1["grad_norm"]) > 1e-3
+            for k in m1:
+                np.testing.assert_allclose(m1[k], m4[k], rtol=1e-5, atol=1e-7, err_msg=f"{layout} {k}")
+        for a, b in zip(jax.tree.leaves(res["one"][:2]), jax.tree.leaves(res[layout][:2])):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=layout)
+
+
+def test_plan_prints_the_bytes_per_device_from_config_json_alone(tmp_path, monkeypatch, capsys):
+    """--plan on 4 devices from a folder with config.json only: the weights are split 4 ways (matrices) or
+    whole (vectors), Adam holds two of them, and XLA's train step takes exactly them plus a quarter batch."""
+    cfg = json.load(open(write_tiny_checkpoint(str(tmp_path / "tiny")) + "/config.json"))
+    json.dump(cfg, open(tmp_path / "config.json", "w"))  # the folder holds no weights, no tokenizer
+    monkeypatch.setattr(qwen3, "load", None)  # and no weight is read
+    D, F, V, L, N, K, H = (cfg[k] for k in ("hidden_size", "intermediate_size", "vocab_size",
+                                            "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                            "head_dim"))
+    matrices = V * D * (1 if cfg["tie_word_embeddings"] else 2) + L * (2 * N * H * D + 2 * K * H * D
+                                                                        + 3 * D * F)
+    vectors = D + L * (2 * D + 2 * H)
+    B, T0, M, k = 8, train.PLAN_PROMPT, 4, 8
+    for lora in (None, 2):
+        rows = train.main(["--plan", "--model", str(tmp_path), "--prompts", "2", "--group", "4",
+                           "--max-tokens", str(M), "--topk", str(k), "--optimizer", "adam"]
+                          + ["--lora", str(lora)] * bool(lora))
+        assert "--plan: 2-layer Qwen3" in capsys.readouterr().out
+        assert rows["weights"] == 4 * (matrices // 4 + vectors)
+        adapters = 4 * L * lora * (7 * D + 2 * N * H + 2 * K * H + 3 * F) if lora else 0  # Σ (in + out) x r
+        assert rows["adapters"] == adapters  # whole on every device: A [L, in, r] and B [L, r, out]
+        assert rows["gradients"] == (adapters or rows["weights"])
+        assert rows["optimizer state"] == 2 * rows["gradients"] + 4  # Adam's two moments and its step count
+        assert rows["sampler weights"] == 2 * (matrices + vectors)  # bf16, whole
+        batch = B // 4 * (4 * (2 * T0 + 2 * M + 2 * M * k + 1) + M)  # a quarter of the rows; the mask: bool
+        assert rows["train step arguments"] == rows["weights"] + adapters + rows["optimizer state"] + batch
+        assert rows["kv cache"] == 2 * L * B // 4 * (T0 + M) * K * H * 2  # K and V, bf16, a quarter of the rows
+        assert rows["train step temporaries"] > 0 and rows["sampler temporaries"] > rows["kv cache"]
+
+
+def test_two_processes_of_two_devices_give_the_run_of_one_process_of_four(tmp_path):
+    """Two processes on 127.0.0.1 (gloo collectives), two CPU devices each, each feeding its own rows to the
+    sampler and the FSDP train step: the rows, summary and saved weights of one process with four devices."""
+    import socket, subprocess
+    flags = ["--task", "sequence", "--steps", "1", "--prompts", "2", "--group", "4", "--max-tokens", "6",
+             "--eval-n", "8", "--probe-n", "8", "--eval-every", "1", "--center", "--topk", "0"]
+    one = train.main(flags + ["--out", str(tmp_path / "one"), "--save", str(tmp_path / "one_w")])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+               XLA_FLAGS=os.environ["XLA_FLAGS"].replace("device_count=4", "device_count=2"))
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), *flags,
+           "--out", str(tmp_path / "two"), "--save", str(tmp_path / "two_w")]
+    procs = [subprocess.Popen(cmd, env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    texts = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], texts
+    assert "summary " in texts[0] and "summary " not in texts[1]  # process 0 prints and writes
+    two = json.load(open(tmp_path / "two" / "summary.json"))
+    rows = [_strip([json.loads(x) for x in open(tmp_path / d / "metrics.jsonl")]) for d in ("one", "two")]
+    assert [sorted(r) for r in rows[0]] == [sorted(r) for r in rows[1]] and rows[0][1]["drift"] > 1e-3
+    for a, b in zip(rows[0], rows[1]):  # atol: the loss and the drift are differences of nearby numbers
+        for k in a:
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert set(two) == set(one) and two["eval_acc"] == one["eval_acc"]
+    for k in ("final_drift", "mean_kl_q_p", "reward"):
+        assert two[k] == pytest.approx(one[k], rel=1e-5, abs=1e-6), k
+    for a, b in zip(*(jax.tree.leaves(qwen3.load(str(tmp_path / d)).weights) for d in ("one_w", "two_w"))):
+        assert np.mean(np.asarray(a) != np.asarray(b)) < 1e-3  # bf16: a rare last-bit rounding of a 1e-7 change
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2 ** -7)
 
 
 def test_micro_batches_give_the_full_batch_token_mean(tiny):
@@ -1771,6 +1877,8 @@ def test_verdict(drops, finals, expected):
     (["--seeds", "0,1"], "--seeds"),
     (["--plot", "x.png"], "--plot"),
     (["--lora-alpha", "4"], "--lora-alpha"),
+    (["--plan", "--task", "bandit"], "--plan is for one run"),
+    (["--plan", "--compare"], "--plan is for one run"),
     (["--lora", "4", "--lora-alpha", "0"], "--lora-alpha"),
     (["--data-dir", "/nonexistent"], "--data-dir"),
     (["--steps", "0"], "--steps"),

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import harness
@@ -127,11 +128,14 @@ def left_pad(prompts, pad_id, multiple=32):
         tokens[b, T0 - len(p):], pos[b, T0 - len(p):] = p, np.arange(len(p))
     return tokens, pos
 
+def host(tree):  # numpy copies of (global) arrays: every row, on every process, wherever the rows were made
+    return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
+
 def generate(sampler, w, prompts, pad_id, key, data, n):  # every prompt, n rows (one program) a call
     prompt, pos = left_pad(prompts, pad_id)
     extra = -len(prompts) % n  # the last call is padded with copies of the first prompt
     prompt, pos = (np.concatenate([x, np.repeat(x[:1], extra, 0)]) for x in (prompt, pos))
-    outs = [jax.device_get(sampler(w, *jax.device_put((prompt[i:i + n], pos[i:i + n]), data),
+    outs = [host(sampler(w, *jax.device_put((prompt[i:i + n], pos[i:i + n]), data),
                                    jax.random.fold_in(key, i))) for i in range(0, len(prompt), n)]
     return {k: np.concatenate([o[k] for o in outs])[:len(prompts)] for k in outs[0]} | dict(
         prompt=prompt[:len(prompts)], pos=pos[:len(prompts)])
@@ -172,11 +176,23 @@ def advantage(r, args):  # r [P * G] -> [P * G]: minus the mean of its group of 
 def loss_kw(args, center):  # all that --center changes: one keyword of the loss
     return dict(center=center, tis_cap=args.tis_cap, mis=args.mis)
 
+def shardings(tree, mesh=None):
+    """FSDP: each matrix of a weight tree (or of its optimizer state: the same names) split over the mesh
+    (default: every device) on its largest axis the device count divides, never the stacked layer axis L that
+    lax.scan slices; vectors and scalars whole on every device. One device: the replicated layout."""
+    mesh = mesh or Mesh(np.array(jax.devices()), ("data",))
+    def spec(path, x):
+        stacked = any(getattr(k, "key", None) == "layers" for k in path)  # [L, ...]
+        axes = [i for i in range(stacked, x.ndim) if x.shape[i] % mesh.size == 0] * (x.ndim - stacked > 1)
+        return NamedSharding(mesh, P(*[None] * max(axes, key=lambda i: x.shape[i]), "data") if axes else P())
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
 def make_train_step(cfg, opt, loss_kw, micro_batch, mesh, lora_scale=None):
     """fn(params, opt_state, batch, base=None) -> (params, opt_state, metrics); params are the weights, or
     LoRA adapters on the frozen `base`; batch: the sampler's record plus prompt, pos [B, T0] and adv [B].
     Gradients accumulate over micro-batches, each spread over the mesh's data axis, and the loss is the token
-    mean over the whole batch: the same numbers as one large batch."""
+    mean over the whole batch: the same numbers as one large batch. The weights, their gradients and optimizer
+    state stay split as `shardings` says (LoRA: the base; the adapters and their state are replicated)."""
     def token_sum_loss(params, base, b):
         logits = completion_logits(cfg, merge(params, base, lora_scale), b["prompt"], b["pos"], b["tokens"])
         loss, metrics = sc.loss(logits, b["tokens"], b["mask"], b["adv"], b["logq"], b.get("head_ids"),
@@ -184,21 +200,23 @@ def make_train_step(cfg, opt, loss_kw, micro_batch, mesh, lora_scale=None):
         return loss * b["mask"].sum(), (metrics, b["mask"].sum())  # token sums, divided by N below
 
     def step(params, opt_state, batch, base=None):
+        def keep(tree):  # FSDP shards (LoRA adapters: whole), and outputs as inputs came: no second compile
+            return jax.lax.with_sharding_constraint(
+                tree, shardings(tree, mesh) if base is None else NamedSharding(mesh, P()))
         def accumulate(grads, b):
             (loss, (metrics, n)), g = jax.value_and_grad(token_sum_loss, has_aux=True)(params, base, b)
-            return jax.tree.map(jnp.add, grads, g), (loss, metrics, n)
+            return keep(jax.tree.map(jnp.add, grads, g)), (loss, metrics, n)
         split = lambda x: jax.lax.with_sharding_constraint(  # noqa: E731  [B, ...] -> [B / mb, mb, ...]
             x.reshape(micro_batch, -1, *x.shape[1:]).swapaxes(0, 1), NamedSharding(mesh, P(None, "data")))
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = keep(jax.tree.map(jnp.zeros_like, params))
         grads, (loss, metrics, n) = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
         N = jnp.maximum(n.sum(), 1)
         grads = jax.tree.map(lambda g: g / N, grads)
         updates, opt_state = opt.update(grads, opt_state, params)
         metrics = dict({k: (v * n).sum() / N for k, v in metrics.items()}, loss=loss.sum() / N,
                        grad_norm=optax.tree.norm(grads))
-        return optax.apply_updates(params, updates), opt_state, metrics
-    # outputs replicated, as the inputs came: the second step does not compile again
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=NamedSharding(mesh, P()))
+        return *keep((optax.apply_updates(params, updates), opt_state)), metrics
+    return jax.jit(step, donate_argnums=(0, 1))
 
 # ---------------------------------------------------------------------------------------------------------
 # one GRPO run: evaluation and the drift meter, rollouts, the train step, a resumable state
@@ -207,27 +225,28 @@ def drift_meter(logp, probe, w0, micro_batch):
     """fn(w) -> token mean of log p_0(y) - log p_w(y) over the probe completions: KL(p_0 || p_w) estimated."""
     def probe_logp(w):  # [B, M], micro_batch rows a call
         rows = range(0, len(probe["tokens"]), micro_batch)
-        return np.concatenate([logp(w, {k: x[i:i + micro_batch] for k, x in probe.items()}) for i in rows])
+        return np.concatenate([host(logp(w, {k: x[i:i + micro_batch] for k, x in probe.items()}))
+                               for i in rows])
     logp0, mask = probe_logp(w0), probe["mask"]
     return lambda w: float(((logp0 - probe_logp(w)) * mask).sum() / max(mask.sum(), 1))
 
-def build(args, task):  # the jitted functions, compiled once and shared by every run of a --compare
-    cfg, mesh = task.cfg, Mesh(np.array(jax.devices()), ("data",))
+def build(args, cfg, eos):  # the jitted functions, compiled once and shared by every run of a --compare
+    mesh = Mesh(np.array(jax.devices()), ("data",))
     opt, scale = OPTIMIZERS[args.optimizer](args.lr), args.lora and args.lora_alpha / args.lora
     return dict(mesh=mesh, opt=opt, scale=scale, logp=jax.jit(partial(token_logp, cfg)),
                 steps={c: make_train_step(cfg, opt, loss_kw(args, c), args.micro_batch, mesh, scale)
                        for c in (False, True)},
-                sampler=make_sampler(cfg, args.max_tokens, args.topk, task.eos, quant_mm(args.sampler),
+                sampler=make_sampler(cfg, args.max_tokens, args.topk, eos, quant_mm(args.sampler),
                                      kv=kv_quant(args.kv_quant)),
-                evaluator=make_sampler(cfg, args.max_tokens, 1, task.eos, greedy=True),
-                prober=make_sampler(cfg, args.max_tokens, 1, task.eos))
+                evaluator=make_sampler(cfg, args.max_tokens, 1, eos, greedy=True),
+                prober=make_sampler(cfg, args.max_tokens, 1, eos))
 
 def rewards(task, out, problems):  # [B]: the task's reward of each completion (its masked tokens)
     return np.asarray(task.reward(out["tokens"], out["mask"], [gold for _, gold in problems]))
 
-def evaluate(fn, task, w, key, data, n):  # mean reward of greedy completions of the test prompts, clean bf16
+def evaluate(fn, task, w_bf16, key, data, n):  # mean reward of greedy completions of the test prompts
     prompts = [p for p, _ in task.test]
-    out = generate(fn["evaluator"], sampler_weights(w, "bf16"), prompts, task.pad, key, data, n)
+    out = generate(fn["evaluator"], w_bf16, prompts, task.pad, key, data, n)
     return float(rewards(task, out, task.test).mean())
 
 def run(args, task, fn, center, seed, out):
@@ -237,18 +256,23 @@ def run(args, task, fn, center, seed, out):
     n, opt, scale = args.prompts * args.group, fn["opt"], fn["scale"]
     data, replicated = NamedSharding(fn["mesh"], P("data")), NamedSharding(fn["mesh"], P())  # rows split
     key, noise_key, probe_key, lora_key = jax.random.split(jax.random.PRNGKey(seed), 4)
-    base = jax.device_put(jax.tree.map(jnp.copy, task.weights), replicated)  # a copy: the step donates it
+    # FSDP: the weights (LoRA: the frozen base) and the optimizer state split over the devices; a copy, as
+    # the step donates it (device_put may return the task's own buffers, even with may_alias=False)
+    base = jax.tree.map(jnp.copy, jax.device_put(task.weights, shardings(task.weights, fn["mesh"])))
     params = jax.device_put(lora_init(base, args.lora, lora_key), replicated) if args.lora else base
     base = base if args.lora else None
+    where = replicated if args.lora else shardings(jax.eval_shape(opt.init, params), fn["mesh"])
+    opt_state = jax.jit(opt.init, out_shardings=where)(params)  # in place: no device holds all of Adam's
+    # the sampler's own copy: bf16 and whole on every device, gathered once per refresh, not once per token
+    copy = lambda w, *a: jax.device_put(sampler_weights(w, *a), replicated)  # noqa: E731
     # the drift meter: probe completions drawn once from the initial policy, clean bf16, temperature 1
     w0 = merge(params, base, scale)
-    probe = generate(fn["prober"], sampler_weights(w0, "bf16"), task.probe, task.pad, probe_key, data, n)
+    probe = generate(fn["prober"], copy(w0, "bf16"), task.probe, task.pad, probe_key, data, n)
     drift = drift_meter(fn["logp"], {k: probe[k] for k in ("prompt", "pos", "tokens", "mask")}, w0,
                         args.micro_batch)
-    stale = sampler_weights(w0, "bf16") if args.staleness else None  # the template of the sampler's copy
+    stale = copy(w0, "bf16") if args.staleness else None  # the template of the sampler's copy
     hist, (params, opt_state, w_sampler) = harness.resume(
-        out, dict(step=0, acc={}, drift={}, kl_q_p=[], reward=[]), replicated, params,
-        jax.device_put(opt.init(params), replicated), stale)
+        out, dict(step=0, acc={}, drift={}, kl_q_p=[], reward=[]), params, opt_state, stale)
     order = np.random.default_rng(seed).permutation(len(task.train))
     for step in range(hist["step"], args.steps + 1):
         harness.at_step(step, out, args.out, hist["step"])
@@ -256,11 +280,11 @@ def run(args, task, fn, center, seed, out):
         if step % args.eval_every == 0 or step == args.steps:
             hist["drift"][str(step)] = row["drift"] = drift(w)
             if task.test:
-                hist["acc"][str(step)] = row["acc"] = evaluate(fn, task, w, key, data, n)
+                hist["acc"][str(step)] = row["acc"] = evaluate(fn, task, copy(w, "bf16"), key, data, n)
         if step < args.steps:
             t0 = time.perf_counter()
             if step % (args.staleness + 1) == 0:
-                w_sampler = sampler_weights(w, args.sampler, args.weight_noise, noise_key)
+                w_sampler = copy(w, args.sampler, args.weight_noise, noise_key)
             problems = [task.train[order[(step * args.prompts + i // args.group) % len(order)]]
                         for i in range(n)]  # each prompt --group times
             batch = generate(fn["sampler"], w_sampler, [p for p, _ in problems], task.pad,
@@ -277,10 +301,11 @@ def run(args, task, fn, center, seed, out):
         harness.log_step(row, args.steps, [c for c in harness.COLUMNS if c != "acc" or task.test], out)
         if out and args.save_every and step < args.steps and (step + 1) % args.save_every == 0:
             hist["step"] = step + 1
-            harness.save_state(os.path.join(out, "state.npz"), hist, params, opt_state,
-                               w_sampler if args.staleness else None)
-    if args.save:
-        harness.save_checkpoint(args.save, task.cfg, jax.device_get(merge(params, base, scale)), task.path)
+            harness.save_state(os.path.join(out, "state.npz"), hist,
+                               *host((params, opt_state, w_sampler if args.staleness else None)))
+    weights = host(merge(params, base, scale)) if args.save else None  # every process takes part
+    if args.save and not jax.process_index():  # process 0 writes
+        harness.save_checkpoint(args.save, task.cfg, weights, task.path)
     return harness.finish(out, hist, args.steps)
 
 # ---------------------------------------------------------------------------------------------------------
@@ -300,7 +325,7 @@ def reward(completion, gold):  # 1 when the completion's last number is the gold
 
 def gsm8k_task(args):
     train_set, test_set = (harness.read_gsm8k(args.data_dir, split, normalise) for split in ("train", "test"))
-    model = qwen3.load(args.model)
+    model = qwen3.load(args.model, place=shardings)  # each device reads its FSDP shards from the file
     cfg, tok = model.cfg, model.tokenizer
     V, positions = cfg["vocab_size"], cfg.get("max_position_embeddings", math.inf)
     for bad, msg in [(tok is None, f"{args.model} has no tokenizer files (vocab.json or tokenizer.json)"),
@@ -411,10 +436,10 @@ def run_bandit(args):
                                         for c in (0, 1)})
 
 # ---------------------------------------------------------------------------------------------------------
-# --compare: centring off, then on, from the same seed, weights, data, noise and keys; then main
+# --compare: centring off, then on, from the same seed, weights, data, noise and keys; --plan; main
 
 def compare(args, task):
-    res, fn, seeds = {}, build(args, task), args.seeds or [args.seed]
+    res, fn, seeds = {}, build(args, task.cfg, task.eos), args.seeds or [args.seed]
     for seed in seeds:
         if args.task == "sequence":  # its model comes from the seed (GSM8K's does not)
             task = sequence_task(argparse.Namespace(**vars(args) | dict(seed=seed)))
@@ -427,10 +452,53 @@ def compare(args, task):
             res[name] = run(args, task, fn, center, seed, out)
     return harness.report(args, task.cfg, res)
 
+PLAN_PROMPT = 256  # --plan's prompt tokens (GSM8K's chat prompts take 100 to 250)
+
+def plan(args, cfg):
+    """--plan: will this run fit? The sampler and the train step compiled for this batch on weights that are
+    only shapes and shardings (config.json alone); bytes per device, exact for arrays, XLA's for programs."""
+    fn, (top, layers), L = build(args, cfg, (0,)), qwen3.layout(cfg), cfg["num_hidden_layers"]
+    mesh, B, key = fn["mesh"], args.prompts * args.group, jax.random.PRNGKey(0)
+    every = lambda where: lambda tree: jax.tree.map(lambda _: NamedSharding(mesh, where), tree)  # noqa: E731
+    trained = every(P()) if args.lora else partial(shardings, mesh=mesh)  # LoRA adapters: whole
+
+    def abstract(tree, where):  # the shapes and dtypes of tree, placed as where(tree) says
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, where(tree))
+    w = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, (_, _, s) in top.items()} | dict(layers={
+        k: jax.ShapeDtypeStruct((L, *s), jnp.float32) for k, (_, _, s) in layers.items()})
+    w16 = abstract(jax.tree.map(lambda x: x.update(dtype=jnp.bfloat16), w), every(P()))  # the sampler's
+    w = abstract(w, partial(shardings, mesh=mesh))
+    params = abstract(jax.eval_shape(partial(lora_init, rank=args.lora), w, key=key), trained) if args.lora else w
+    state = abstract(jax.eval_shape(fn["opt"].init, params), trained)
+    prompt = jax.ShapeDtypeStruct((B, PLAN_PROMPT), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    batch = abstract(jax.eval_shape(fn["sampler"], w16, prompt, prompt, key) | dict(  # and the advantages
+        prompt=prompt, pos=prompt, adv=jax.ShapeDtypeStruct((B,), jnp.float32)), every(P("data")))
+    s, t = (f.lower(*a).compile().memory_analysis() for f, a in [
+        (fn["sampler"], (w16, prompt, prompt, key)),
+        (fn["steps"][args.center], (params, state, batch, w if args.lora else None))])
+    size = lambda tree: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize  # noqa: E731
+                            for x in jax.tree.leaves(tree))
+    kv = 2 * L * B // mesh.size * (PLAN_PROMPT + args.max_tokens) * cfg["num_key_value_heads"] * cfg[
+        "head_dim"] * 2  # K and V in bf16, a device's rows
+    rows = {"weights": size(w), "adapters": size(params) * bool(args.lora), "gradients": size(params),
+            "optimizer state": size(state), "sampler weights": size(w16), "kv cache": kv,
+            "sampler temporaries": s.temp_size_in_bytes, "train step arguments": t.argument_size_in_bytes,
+            "train step temporaries": t.temp_size_in_bytes}  # the peaks add what is resident meanwhile:
+    rows["peak while sampling"] = rows["weights"] + rows["adapters"] + rows["optimizer state"] + (
+        s.argument_size_in_bytes + s.output_size_in_bytes + s.temp_size_in_bytes)
+    rows["peak in the train step"] = rows["sampler weights"] + (
+        t.argument_size_in_bytes + t.output_size_in_bytes - t.alias_size_in_bytes + t.temp_size_in_bytes)
+    print(f"--plan: {L}-layer Qwen3 (D {cfg['hidden_size']}, V {cfg['vocab_size']}), {B} rollouts x "
+          f"({PLAN_PROMPT} prompt + {args.max_tokens} tokens), micro-batch {args.micro_batch}, {args.optimizer}"
+          f"{f', LoRA {args.lora}' if args.lora else ''}, {mesh.size} {jax.devices()[0].platform} devices")
+    harness.table("bytes per device", {k: dict(MiB=v / 2**20) for k, v in rows.items()}, dict(MiB="{:10,.1f}"))
+    return rows
+
 def parse_args(argv=None):
     return harness.parse_args(argv, RECIPE, __doc__.split("\n")[0])
 
 def main(argv=None):
+    harness.join_processes()  # one of several processes (several hosts): all their devices form one mesh
     args = parse_args(argv)
     harness.start(args)
 
@@ -438,12 +506,14 @@ def main(argv=None):
         if args.task == "bandit":
             return run_bandit(args)
         try:
+            if args.plan:
+                return plan(args, dict(SEQUENCE) if args.task == "sequence" else qwen3.config(args.model)[0])
             task = gsm8k_task(args) if args.task == "gsm8k" else sequence_task(args)
         except (ValueError, OSError) as e:  # bad data or checkpoint: one line, no traceback
             raise SystemExit(f"error: {e}") from None
         if args.compare:
             return compare(args, task)
-        return run(args, task, build(args, task), args.center, args.seed, args.out)
+        return run(args, task, build(args, task.cfg, task.eos), args.center, args.seed, args.out)
     return harness.interruptible(work)
 
 if __name__ == "__main__":
