@@ -4,7 +4,6 @@ import argparse, concurrent.futures, contextlib, importlib.util, json, math, os,
 import urllib.request
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -20,8 +19,7 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
         d = ", ".join(f"{t} {r[key]}" for t, r in recipe.items() if key in r) or kw.get("default")
         group.add_argument(name, help=help + ("" if d is None or d is False else f" (default: {d})"), **kw)
     group = p.add_argument_group("run")
-    a("--task", "gsm8k: Qwen3; sequence: a tiny Qwen3 on a CPU; bandit: the toy", choices=list(recipe),
-      default="gsm8k")
+    a("--task", "gsm8k: Qwen3; sequence: a tiny CPU Qwen3; bandit: the toy", choices=recipe, default="gsm8k")
     a("--center", "score centering: subtract the sampler-expected score", action="store_true")
     a("--compare", "centring off, then on (bandit: x online/frozen sampler); one table", action="store_true")
     a("--seeds", "with --compare (not bandit): the seeds to run, e.g. 0,1 (default: --seed)", type=csv(int))
@@ -60,12 +58,10 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
     a("--arms", "bandit arms", type=int, default=16)
 
 def mistakes(args, chosen):  # one line per mistake; checks are (is it wrong, what to do), grouped by concern
-    v, name = vars(args), lambda k: "--" + k.replace("_", "-")  # noqa: E731
+    v, where, name = vars(args), args.resume or args.out, lambda k: "--" + k.replace("_", "-")  # noqa: E731
     B, devices, bandit = args.prompts * args.group, jax.device_count(), args.task == "bandit"
-    where = args.resume or args.out
-    numbers = [(v[k] is not None and v[k] < 1, f"{name(k)} must be >= 1") for k in (
-        "steps", "prompts", "group", "max_tokens", "eval_every", "eval_n", "probe_n", "arms", "micro_batch",
-        "save_every", "lora")] + [
+    ints = "steps prompts group max_tokens eval_every eval_n probe_n arms micro_batch save_every lora".split()
+    numbers = [(v[k] is not None and v[k] < 1, f"{name(k)} must be >= 1") for k in ints] + [
         (v[k] is not None and not 0 < v[k] < math.inf, f"{name(k)} must be a finite number > 0")
         for k in ("lr", "tis_cap", "lora_alpha")] + [
         (not 0 <= args.weight_noise < math.inf, "--weight-noise must be a finite number >= 0"),
@@ -85,7 +81,8 @@ def mistakes(args, chosen):  # one line per mistake; checks are (is it wrong, wh
         (args.seeds and (not args.compare or bandit), "--seeds is for --compare on --task gsm8k or sequence"),
         (args.compare and args.save, "--save keeps one policy: drop --compare"),
         (args.plot and not args.compare, "--plot draws the --compare runs: add --compare"),
-        (args.plan and (bandit or args.compare or args.resume), "--plan is for one run: drop --compare, --resume"),
+        (args.plan and (bandit or args.compare or args.resume),
+         "--plan is for one run: drop --compare, --resume"),
         (bandit and bool(args.save or args.data_dir or args.lora or args.kv_quant or args.save_every
                          or args.resume or "sampler" in chosen),
          "--save, --data-dir, --lora, --sampler, --kv-quant, --save-every and --resume are not for --task "
@@ -97,8 +94,7 @@ def mistakes(args, chosen):  # one line per mistake; checks are (is it wrong, wh
          "an empty --out, --save, --plot, --resume, --data-dir or --model: give a path or drop the flag"),
         (args.plot and not importlib.util.find_spec("matplotlib"),
          "--plot needs matplotlib: pip install matplotlib"),
-        (args.plot and (os.path.isdir(args.plot) or not writable(os.path.dirname(os.path.abspath(args.plot))))
-         ,
+        (args.plot and (os.path.isdir(args.plot) or not writable(os.path.join(args.plot, os.pardir))),
          f"--plot {args.plot} must be a PNG file name in a writable folder"),
         (args.data_dir and not all(os.path.isfile(f"{args.data_dir}/{s}.jsonl") for s in ("train", "test")),
          f"--data-dir {args.data_dir} must contain train.jsonl and test.jsonl"),
@@ -116,6 +112,7 @@ def mistakes(args, chosen):  # one line per mistake; checks are (is it wrong, wh
     return [msg for bad, msg in numbers + combinations + paths if bad]
 
 def parse_args(argv, recipe, description):
+    join_processes()  # first: the checks count the devices of every process
     p = argparse.ArgumentParser(description=description)
     declare(p, recipe)
     args = p.parse_args(argv)
@@ -136,18 +133,15 @@ def parse_args(argv, recipe, description):
     if args.resume and not errors:
         was, now = json.load(open(f"{args.resume}/run.json")), json.loads(json.dumps(run_config(args)))
         errors += [f"--resume {args.resume} was started with --{k.replace('_', '-')} {was.get(k)}, not {v}: "
-                   "resume with the same flags" for k, v in now.items()
-                   if was.get(k) != v and k != "save_every"][:1]
+                   "use the same flags" for k, v in now.items() if was.get(k) != v and k != "save_every"][:1]
     if errors:
         p.error("; ".join(errors))
     args.out = args.resume or args.out
     return args
 
 def writable(path):  # the nearest existing folder on the way to `path` lets us write
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return os.path.isdir(path) and os.access(path, os.W_OK)
+    p = os.path.abspath(path)
+    return os.path.isdir(p) and os.access(p, os.W_OK) if os.path.exists(p) else writable(os.path.dirname(p))
 
 def run_config(args):  # the flags a resumed run starts from and must share (all but --save-every)
     return {k: v for k, v in vars(args).items() if k not in ("out", "resume", "save", "plot")}
@@ -155,25 +149,22 @@ def run_config(args):  # the flags a resumed run starts from and must share (all
 def join_processes(env=os.environ):
     """One of JAX_NUM_PROCESSES processes (hosts): JAX_PROCESS_ID is its rank, JAX_COORDINATOR_ADDRESS the
     host:port of process 0. Process 0 prints and writes; every process reads (--resume: a shared folder)."""
-    if int(env.get("JAX_NUM_PROCESSES", 1)) > 1 and not jax.distributed.is_initialized():
+    if (n := int(env.get("JAX_NUM_PROCESSES", 1))) > 1 and not jax.distributed.is_initialized():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # for CPU devices (the tests)
-        jax.distributed.initialize(num_processes=int(env["JAX_NUM_PROCESSES"]),
-                                   process_id=int(env["JAX_PROCESS_ID"]))
+        jax.distributed.initialize(num_processes=n, process_id=int(env["JAX_PROCESS_ID"]))
     if jax.process_index():
         sys.stdout = open(os.devnull, "w")
 
 def start(args):  # the run's folder and run.json (not rewritten by a resume), and the config line
     if jax.process_count() > 1:  # every process has checked the flags before process 0 makes --out
         multihost_utils.sync_global_devices("flags checked")
-    if args.out:
+    if args.out and not args.resume:  # a resumed run's folder exists, with its run.json
         os.makedirs(args.out, exist_ok=True)
-        if not args.resume:
-            atomic(os.path.join(args.out, "run.json"), lambda f: json.dump(run_config(args), f, indent=1))
+        atomic(os.path.join(args.out, "run.json"), lambda f: json.dump(run_config(args), f, indent=1))
     print("config " + json.dumps(vars(args)), flush=True)
 
 # ---------------------------------------------------------------------------------------------------------
-# logs: one fixed-width line per step, the same numbers in metrics.jsonl (flushed as they are made); the
-# resumable state; Ctrl-C; the checkpoint's tokenizer files; GSM8K's files
+# logs and metrics.jsonl, the resumable state, Ctrl-C, the checkpoint's tokenizer files, GSM8K's files
 
 COLUMNS = dict(reward="{:6.3f}", acc="{:6.3f}", drift="{:8.2e}", grad_norm="{:8.2e}", kl_q_p="{:+9.2e}",
                logprob_gap="{:8.2e}", entropy="{:6.3f}", length="{:6.1f}", seconds="{:6.1f}")
@@ -186,8 +177,7 @@ def log_step(row, steps, columns, out=None):
     append_rows(out, [row])
 
 def append_rows(out, rows):  # to out/metrics.jsonl; no out (or not process 0), no file
-    with LOCK, open(os.path.join(out, "metrics.jsonl") if out and not jax.process_index() else os.devnull,
-                    "a") as f:
+    with LOCK, open(f"{out}/metrics.jsonl" if out and not jax.process_index() else os.devnull, "a") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
 
 def atomic(file, write, mode="w"):  # write(f) to a temporary name, then rename: old file or new, never half
@@ -200,34 +190,30 @@ def atomic(file, write, mode="w"):  # write(f) to a temporary name, then rename:
 
 def write_summary(out, summary):
     print("summary " + json.dumps(summary))
-    if out:
-        atomic(os.path.join(out, "summary.json"), lambda f: json.dump(summary, f, indent=1))
+    atomic(os.path.join(out, "summary.json"), lambda f: json.dump(summary, f, indent=1)) if out else None
     return summary
 
 def finished(out):  # the summary of a run that has ended (a --resume of it), else None
     return json.load(open(f)) if out and os.path.exists(f := os.path.join(out, "summary.json")) else None
 
 def finish(out, hist, steps):  # summary.json: drift and score per evaluation, peak, final, drop, mismatch
-    final, acc = str(steps), hist["acc"]
-    summary = dict(drift=hist["drift"], final_drift=hist["drift"][final],
-                   mean_kl_q_p=float(np.mean(hist["kl_q_p"])),
+    final, acc, drift = str(steps), hist["acc"], hist["drift"]
+    summary = dict(drift=drift, final_drift=drift[final], mean_kl_q_p=float(np.mean(hist["kl_q_p"])),
                    reward=float(np.mean(hist["reward"][-5:])))  # the last 5 steps' mean training reward
-    if acc:
-        summary |= dict(eval_acc=acc, peak_acc=max(acc.values()), final_acc=acc[final],
-                        drop=max(acc.values()) - acc[final])
+    summary |= dict(eval_acc=acc, peak_acc=max(acc.values()), final_acc=acc[final],
+                    drop=max(acc.values()) - acc[final]) if acc else {}
     write_summary(out, summary)
     if out and os.path.exists(os.path.join(out, "state.npz")) and not jax.process_index():  # it can go
         os.remove(os.path.join(out, "state.npz"))
     return summary
 
 def save_state(file, hist, *trees):  # float32 leaves (bf16 ones widened exactly), then an atomic rename
-    leaves = {f"a{i}": np.asarray(x, np.float32 if x.dtype == jnp.bfloat16 else x.dtype)
+    leaves = {f"a{i}": np.asarray(x, np.float32 if x.dtype == jax.numpy.bfloat16 else x.dtype)
               for i, x in enumerate(jax.tree.leaves(trees))}
     atomic(file, lambda f: np.savez(f, hist=np.array(json.dumps(hist)), **leaves), "wb")
 
 def resume(out, hist, *trees):  # hist and trees from out's state, if any; metrics.jsonl cut there
-    file = out and os.path.join(out, "state.npz")
-    if out and os.path.exists(file):
+    if out and os.path.exists(file := os.path.join(out, "state.npz")):
         with np.load(file) as z:  # the trees as saved, shaped, typed and placed like the templates `trees`
             leaves, tree = jax.tree.flatten(trees)
             if [z[f"a{i}"].shape for i in range(len(z.files) - 1)] != [x.shape for x in leaves]:
@@ -246,9 +232,8 @@ def at_step(step, out, run_dir, saved):  # for Ctrl-C: where the run is, and how
     PROGRESS["where"] = f"at step {step} of {out or 'a run without --out'}{how}"
 
 def interruptible(work):  # work() in a thread, so that Ctrl-C is honoured at once, even inside an XLA call
-    future = concurrent.futures.ThreadPoolExecutor(1).submit(work)
     try:
-        return future.result()
+        return concurrent.futures.ThreadPoolExecutor(1).submit(work).result()
     except KeyboardInterrupt:
         with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C: stop waiting
             LOCK.acquire(timeout=60)  # a file being written is finished first: metrics.jsonl stays valid
@@ -261,19 +246,18 @@ def save_checkpoint(path, cfg, weights, tokenizer_dir):  # qwen3.save, then the 
         if f.endswith((".json", ".txt")) and f not in ("config.json", "model.safetensors.index.json"):
             shutil.copy(os.path.join(tokenizer_dir, f), path)
 
-GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/%s"
-
 def read_gsm8k(data_dir, split, normalise):
     """[(question, normalise(gold))] of a split, downloaded once (with progress) when there is no data_dir."""
     cache = os.path.expanduser("~/.cache/score-centering")
     path = os.path.join(data_dir or os.path.join(cache, "gsm8k"), f"{split}.jsonl")
     if not os.path.exists(path):
         fresh = not os.path.exists(cache)
+        url = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/"
         os.makedirs(os.path.dirname(path), exist_ok=True)
         progress = lambda n, size, total: print(  # noqa: E731
             f"\rdownloading GSM8K {split}: {min(n * size, total) / 1e6:.1f} / {total / 1e6:.1f} MB", end="")
         try:
-            urllib.request.urlretrieve(GSM8K_URL % f"{split}.jsonl", path + ".part", progress)
+            urllib.request.urlretrieve(url + f"{split}.jsonl", path + ".part", progress)
         except OSError as e:
             shutil.rmtree(cache) if fresh else None  # no empty cache folder left behind
             raise ValueError(f"GSM8K could not be downloaded from GitHub ({getattr(e, 'reason', e)}): pass "
@@ -306,14 +290,12 @@ def table(first, rows, columns):  # {name: {column: value}} -> a fixed-width tab
 
 def plot(file, panels):  # panels: [(title, y label, {label: (x, y, matplotlib style)})], side by side
     from matplotlib.figure import Figure  # no pyplot: no window, no global state
-    fig = Figure(figsize=(5.5 * len(panels), 3.3), dpi=100)
-    axes = fig.subplots(1, len(panels), squeeze=False)
-    for ax, (title, ylabel, curves) in zip(axes[0], panels):
+    fig = Figure(figsize=(5.5 * len(panels), 3.3), dpi=100, layout="tight")
+    for ax, (title, ylabel, curves) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
         for label, (x, y, style) in curves.items():
             ax.plot(x, y, style, label=label, lw=0.8 if style.endswith(":") else 1.5)
         ax.set(xlabel="step", ylabel=ylabel, title=title)
         ax.legend(fontsize=7, frameon=False)
-    fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
     with LOCK:
         fig.savefig(file)
@@ -331,9 +313,8 @@ def verdict(runs, score="accuracy"):  # runs [{"uncentered": summary, "centered"
             f"final {score} at most 1.5 below): " + facts)
 
 def report(args, cfg, res):  # --compare: the table, the verdict, the figure; res {arm: summary}, off/on pairs
-    print(f"\n{cfg['num_hidden_layers']}-layer Qwen3, --sampler {args.sampler}, --kv-quant {args.kv_quant}, "
-          f"--weight-noise {args.weight_noise}, --staleness {args.staleness}, {args.steps} steps, "
-          f"lr {args.lr}")
+    print("\n{}-layer Qwen3, --sampler {sampler}, --kv-quant {kv_quant}, --weight-noise {weight_noise}, "
+          "--staleness {staleness}, {steps} steps, lr {lr}".format(cfg["num_hidden_layers"], **vars(args)))
     runs = list(res.values())  # uncentred, centred, seed by seed
     by_seed = [dict(uncentered=u, centered=c) for u, c in zip(runs[::2], runs[1::2])]
     columns = dict(peak_acc="{:.3f}", final_acc="{:.3f}", drop="{:.3f}", final_drift="{:.2e}",

@@ -1,5 +1,4 @@
 """Qwen3 (dense) in pure JAX: a dict of weights, pure functions, and a loader for Hugging Face checkpoints.
-
 B batch, T query length, S key (cache) length, D hidden, F mlp hidden, H head dim, N query heads, K kv heads,
 V vocab, L layers (stacked along the leading axis of every layer weight and run with lax.scan)."""
 import collections, importlib.util, json, math, os, re, unicodedata
@@ -21,7 +20,6 @@ def init_kv(cfg, B, S, dtype=jnp.float32):  # position -1 marks an empty slot
 def forward(cfg, w, tokens, pos, kv=None, t0=0, *, mm=jnp.einsum, dtype=jnp.float32, last=None,
             kv_quant=None):
     """Logits float32 [B, T, V] (or [B, last, V] for the last `last` positions) and the updated kv.
-
     tokens [B, T]; pos [B, T] their positions, < 0 for padding. A query at position p sees keys at 0..p.
     With kv, this call's keys, values and positions are written at [t0, t0 + T) (K and V as kv_quant(a) if
     given) and the queries attend over the whole cache. Each weight matmul is mm(spec, activation, weight)."""
@@ -34,8 +32,7 @@ def forward(cfg, w, tokens, pos, kv=None, t0=0, *, mm=jnp.einsum, dtype=jnp.floa
     def layer(carry, xs):
         (x, kv), (lw, i) = carry, xs
         lw = jax.tree.map(lambda a: a.astype(dtype), lw)
-        # attention: q and k get their own RMSNorm, before RoPE (Qwen3's QK-norm)
-        h = rms_norm(x, lw['attn_norm'], eps)
+        h = rms_norm(x, lw['attn_norm'], eps)  # attention: q, k get their own RMSNorm, before RoPE (QK-norm)
         q = rope(rms_norm(mm('btd,dnh->btnh', h, lw['q']), lw['q_norm'], eps), pos, theta)
         k = rope(rms_norm(mm('btd,dkh->btkh', h, lw['k']), lw['k_norm'], eps), pos, theta)
         v = mm('btd,dkh->btkh', h, lw['v'])
@@ -64,7 +61,6 @@ CHAT = '<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</thin
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
 DTYPES = {'BF16': ml_dtypes.bfloat16, 'F16': np.float16, 'F32': np.float32}  # safetensors dtypes we read
-ONE = lambda: jax.sharding.SingleDeviceSharding(jax.devices()[0])  # load()'s default placement
 SAVED_BY = {'format': 'pt', 'saved_by': 'score-centering'}  # save()'s mark, in the safetensors __metadata__
 def read_json(file, default=None):  # default: what a missing file reads as (None: the file must exist)
     try:
@@ -86,23 +82,21 @@ def check_config(cfg, file):  # dense Qwen3 only; recent transformers put rope_t
     bad = [k for k, ok in (('model_type', 'qwen3'), ('rope_type', 'default')) if c.get(k) != ok]
     bad += [k for k in ('num_experts', 'num_local_experts', 'moe_intermediate_size', 'attention_bias',
                         'use_sliding_window', 'rope_scaling') if c.get(k)]
-    errors = [f'{k} = {c.get(k)!r}' for k in bad] + [f'{k} is missing' for k in (
-        'vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads',
-        'num_key_value_heads', 'head_dim', 'rms_norm_eps', 'rope_theta') if k not in c]
-    if errors:
+    if errors := [f'{k} = {c.get(k)!r}' for k in bad] + [f'{k} is missing' for k in (
+            'vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads',
+            'num_key_value_heads', 'head_dim', 'rms_norm_eps', 'rope_theta') if k not in c]:
         raise ValueError(f"{file}: {'; '.join(errors)}: only dense Qwen3 (model_type 'qwen3') is supported")
 def layout(cfg):  # our name -> (Hugging Face name, its shape, our shape); a torch Linear is [out, in]
     D, F, V = cfg['hidden_size'], cfg['intermediate_size'], cfg['vocab_size']
     N, K, H = cfg['num_attention_heads'], cfg['num_key_value_heads'], cfg['head_dim']
     top = dict(embed=('model.embed_tokens.weight', (V, D), (V, D)), norm=('model.norm.weight', (D,), (D,)))
     top |= {} if cfg.get('tie_word_embeddings') else dict(lm_head=('lm_head.weight', (V, D), (V, D)))
-    a, m = 'self_attn.', 'mlp.'
-    layers = dict(attn_norm=('input_layernorm', (D,), (D,)), q_norm=(a + 'q_norm', (H,), (H,)),
-                  q=(a + 'q_proj', (N * H, D), (D, N, H)), k=(a + 'k_proj', (K * H, D), (D, K, H)),
-                  v=(a + 'v_proj', (K * H, D), (D, K, H)), k_norm=(a + 'k_norm', (H,), (H,)),
-                  o=(a + 'o_proj', (D, N * H), (N, H, D)), mlp_norm=('post_attention_layernorm', (D,), (D,)),
-                  gate=(m + 'gate_proj', (F, D), (D, F)), up=(m + 'up_proj', (F, D), (D, F)),
-                  down=(m + 'down_proj', (D, F), (F, D)))
+    layers = dict(attn_norm=('input_layernorm', (D,), (D,)), q_norm=('self_attn.q_norm', (H,), (H,)),
+                  q=('self_attn.q_proj', (N*H, D), (D, N, H)), k=('self_attn.k_proj', (K*H, D), (D, K, H)),
+                  v=('self_attn.v_proj', (K*H, D), (D, K, H)), k_norm=('self_attn.k_norm', (H,), (H,)),
+                  o=('self_attn.o_proj', (D, N*H), (N, H, D)),
+                  mlp_norm=('post_attention_layernorm', (D,), (D,)), gate=('mlp.gate_proj', (F, D), (D, F)),
+                  up=('mlp.up_proj', (F, D), (D, F)), down=('mlp.down_proj', (D, F), (F, D)))
     return top, {k: ('model.layers.{}.' + n + '.weight', *s) for k, (n, *s) in layers.items()}
 def fetch(repo, files):  # from the Hugging Face hub into its cache; returns the snapshot's directory
     try:
@@ -134,22 +128,21 @@ def load(path, dtype=jnp.float32, place=None):
     for name, shape in expected.items():
         f, dt, sh, a, b, size = header.get(name, (index if sharded else single, 'F32', (), 0, 0, 0))
         need = math.prod(sh) * np.dtype(DTYPES.get(dt, np.uint8)).itemsize
-        bad = (f'tensor {name} is missing' if name not in header else
-               f'{name} is {sh}, config.json implies {shape}' if sh != shape else
-               f'{name} has dtype {dt}, not one of {", ".join(DTYPES)}' if dt not in DTYPES else
-               f'{name} has data_offsets for {b - a} bytes, {sh} in {dt} takes {need}' if b - a != need else
-               f'{name} ends at byte {b}, the file has {size}: it is truncated' if b > size else '')
-        if bad:
+        if (bad := f'tensor {name} is missing' if name not in header else
+                f'{name} is {sh}, config.json implies {shape}' if sh != shape else
+                f'{name} has dtype {dt}, not one of {", ".join(DTYPES)}' if dt not in DTYPES else
+                f'{name} has data_offsets for {b - a} bytes, {sh} in {dt} takes {need}' if b - a != need else
+                f'{name} ends at byte {b}, the file has {size}: it is truncated' if b > size else ''):
             raise ValueError(f'{f}: {bad}')
-    mm = lambda f, dt, shape, a, *_: np.memmap(f, DTYPES[dt], 'r', a, shape)  # read only where sliced
-    src = {k: mm(*header[n]) for k, (n, _, _) in top.items()} | {'layers': {k: [  # [out, in] -> [in, out],
-           mm(*header[n.format(i)]).T.reshape(s) for i in range(L)] for k, (n, _, s) in layers.items()}}  # views
+    mm = lambda f, dt, shape, a, *_: np.memmap(f, DTYPES[dt], 'r', a, shape)  # a view, read only where sliced
+    src = {k: mm(*header[n]) for k, (n, _, _) in top.items()} | {'layers': {k: [  # [out, in] -> [in, out]
+           mm(*header[n.format(i)]).T.reshape(s) for i in range(L)] for k, (n, _, s) in layers.items()}}
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((L, *x[0].shape) if isinstance(x, list) else x.shape,
                                                          dtype), src, is_leaf=lambda x: isinstance(x, list))
+    place = place or (lambda t: jax.tree.broadcast(jax.sharding.SingleDeviceSharding(jax.devices()[0]), t))
     part = lambda x, i: (np.stack([m[i[1:]] for m in x[i[0]]]) if isinstance(x, list) else x[i]).astype(dtype)
-    weights = jax.tree.map(lambda s, w, x: jax.make_array_from_callback(s.shape, w, lambda i: part(x, i)),
-                           shapes, (place or (lambda t: jax.tree.map(lambda _: ONE(), t)))(shapes), src)
-    return Model(cfg, weights, load_tokenizer(path, cfg), path)
+    array = lambda s, w, x: jax.make_array_from_callback(s.shape, w, lambda i: part(x, i))
+    return Model(cfg, jax.tree.map(array, shapes, place(shapes), src), load_tokenizer(path, cfg), path)
 def check_save_dir(out_dir):  # refuses a file, an unwritable folder, or a checkpoint save() did not write
     d = Path(out_dir).absolute()  # only looks: creates nothing
     up = next(p for p in (d, *d.parents) if p.exists())  # out_dir, or the folder it would be made in
@@ -165,14 +158,13 @@ def save(out_dir, cfg, weights):  # config.json and model.safetensors: bfloat16,
     arrays = {n: weights[k] for k, (n, _, _) in top.items()} | {
         n.format(i): weights['layers'][k][i].reshape(hf[::-1]).T  # back to [out, in]
         for k, (n, hf, _) in layers.items() for i in range(cfg['num_hidden_layers'])}
-    header, data = {'__metadata__': SAVED_BY}, bytearray()
+    head, data = {'__metadata__': SAVED_BY}, bytearray()
     for name, a in arrays.items():
-        header[name] = dict(dtype='BF16', shape=a.shape, data_offsets=[len(data), len(data) + 2 * a.size])
+        head[name] = dict(dtype='BF16', shape=a.shape, data_offsets=[len(data), len(data) + 2 * a.size])
         data += np.asarray(a, ml_dtypes.bfloat16).tobytes()
-    header = json.dumps(header).encode()
-    os.makedirs(out_dir, exist_ok=True)
-    for f, b in (('model.safetensors', len(header).to_bytes(8, 'little') + header + data),  # first: alone,
-                 ('config.json', json.dumps(cfg, indent=2).encode())):  # it still marks the folder as ours
+    os.makedirs(out_dir, exist_ok=True)  # model.safetensors first: alone, it still marks the folder as ours
+    for f, b in (('model.safetensors', len(h := json.dumps(head).encode()).to_bytes(8, 'little') + h + data),
+                 ('config.json', json.dumps(cfg, indent=2).encode())):
         Path(out_dir, 'save.partial').write_bytes(b)  # then renamed: a crash leaves the old file whole
         os.replace(Path(out_dir, 'save.partial'), Path(out_dir, f))
 def load_tokenizer(path, cfg):  # byte-level BPE from vocab.json (or tokenizer.json): its ranks are the ids
@@ -188,12 +180,10 @@ def load_tokenizer(path, cfg):  # byte-level BPE from vocab.json (or tokenizer.j
     pattern = [p['pattern']['Regex'] for p in pre.get('pretokenizers', [pre]) if p.get('type') == 'Split']
     enc = tiktoken.Encoding('qwen3', pat_str=(pattern or [QWEN2_PATTERN])[0], special_tokens=special,
                             mergeable_ranks={bytes(byte[c] for c in s): i for s, i in vocab.items()})
-    eos = gen.get('eos_token_id', cfg.get('eos_token_id', special.get(str(tc.get('eos_token')))))
-    if eos is None:
+    if (eos := {**cfg, **gen}.get('eos_token_id', special.get(str(tc.get('eos_token'))))) is None:
         raise ValueError(f'{path}: no eos_token_id in generation_config.json or config.json: add one')
     eos = tuple(eos) if isinstance(eos, list) else (eos,)
     known = {*vocab.values(), *special.values()}  # the ids with a token: Qwen3 has 151,669 of its 151,936
     encode = lambda text: enc.encode(unicodedata.normalize('NFC', text), allowed_special='all')  # NFC as Qwen
-    decode = lambda ids: enc.decode([i for i in map(int, ids) if i in known])  # skips ids with no token
-    return Tokenizer(encode, decode, lambda text: encode(CHAT.format(text)), eos,
-                     special.get('<|endoftext|>', eos[0]))
+    return Tokenizer(encode, lambda ids: enc.decode([i for i in map(int, ids) if i in known]),
+                     lambda text: encode(CHAT.format(text)), eos, special.get('<|endoftext|>', eos[0]))

@@ -1,10 +1,11 @@
 """All tests: CPU only, no network, seconds to a minute. Each checks a mathematical property or an independent
 reference (exact enumeration, a closed form, Hugging Face's implementation), never the code's own output."""
-import base64, fnmatch, importlib.machinery, importlib.util, json, math, os, re, shutil, sys, types, unicodedata
+import base64, fnmatch, importlib.machinery, importlib.util, inspect, json, math, os, re, shutil, sys, types
+import unicodedata
 
 # 4 CPU devices for the sharding tests; the suite compiles many small programs and runs each a few times:
-# XLA's CPU backend at optimisation level 0, without its fusion emitters, in one codegen module compiles them in
-# a third of the time (measured: a short sequence run 18 s -> 9 s)
+# XLA's CPU backend at optimisation level 0, without its fusion emitters, in one codegen module compiles them
+# in a third of the time (measured: a short sequence run 18 s -> 9 s)
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
                            " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
                            " --xla_cpu_parallel_codegen_split_count=1")
@@ -728,7 +729,7 @@ def test_sharded_checkpoint_loads_each_tensor_straight_into_its_shards(tmp_path,
         assert all(b.data.shape == s.shard_shape(x.shape) for b in x.addressable_shards)
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         split += not s.is_fully_replicated
-    whole = len(jax.tree.leaves(plain)) - split  # a vector is read once for the 4 devices; a matrix in 4 parts
+    whole = len(jax.tree.leaves(plain)) - split  # a vector: read once for the 4 devices; a matrix: in 4 parts
     assert split >= 9 and len(reads) == 4 * split + whole
     assert sorted(math.prod(b) * 4 == math.prod(s) for s, b in reads) == [False] * whole + [True] * 4 * split
 
@@ -1451,7 +1452,7 @@ def test_plan_prints_the_bytes_per_device_from_config_json_alone(tmp_path, monke
     matrices = V * D * (1 if cfg["tie_word_embeddings"] else 2) + L * (2 * N * H * D + 2 * K * H * D
                                                                         + 3 * D * F)
     vectors = D + L * (2 * D + 2 * H)
-    B, T0, M, k = 8, train.PLAN_PROMPT, 4, 8
+    B, T0, M, k = 8, inspect.signature(train.plan).parameters["T0"].default, 4, 8
     for lora in (None, 2):
         rows = train.main(["--plan", "--model", str(tmp_path), "--prompts", "2", "--group", "4",
                            "--max-tokens", str(M), "--topk", str(k), "--optimizer", "adam"]
@@ -1465,7 +1466,7 @@ def test_plan_prints_the_bytes_per_device_from_config_json_alone(tmp_path, monke
         assert rows["sampler weights"] == 2 * (matrices + vectors)  # bf16, whole
         batch = B // 4 * (4 * (2 * T0 + 2 * M + 2 * M * k + 1) + M)  # a quarter of the rows; the mask: bool
         assert rows["train step arguments"] == rows["weights"] + adapters + rows["optimizer state"] + batch
-        assert rows["kv cache"] == 2 * L * B // 4 * (T0 + M) * K * H * 2  # K and V, bf16, a quarter of the rows
+        assert rows["kv cache"] == 2 * L * B // 4 * (T0 + M) * K * H * 2  # K and V, bf16, a quarter of rows
         assert rows["train step temporaries"] > 0 and rows["sampler temporaries"] > rows["kv cache"]
 
 
@@ -1479,8 +1480,9 @@ def test_two_processes_of_two_devices_give_the_run_of_one_process_of_four(tmp_pa
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-               XLA_FLAGS=os.environ["XLA_FLAGS"].replace("device_count=4", "device_count=2"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+               JAX_NUM_PROCESSES="2",
+               XLA_FLAGS=os.environ["XLA_FLAGS"].replace("device_count=4", "device_count=2"))  # 2 each
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), *flags,
            "--out", str(tmp_path / "two"), "--save", str(tmp_path / "two_w")]
     procs = [subprocess.Popen(cmd, env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
@@ -1498,7 +1500,7 @@ def test_two_processes_of_two_devices_give_the_run_of_one_process_of_four(tmp_pa
     for k in ("final_drift", "mean_kl_q_p", "reward"):
         assert two[k] == pytest.approx(one[k], rel=1e-5, abs=1e-6), k
     for a, b in zip(*(jax.tree.leaves(qwen3.load(str(tmp_path / d)).weights) for d in ("one_w", "two_w"))):
-        assert np.mean(np.asarray(a) != np.asarray(b)) < 1e-3  # bf16: a rare last-bit rounding of a 1e-7 change
+        assert np.mean(np.asarray(a) != np.asarray(b)) < 1e-3  # bf16: a rare last bit rounds a 1e-7 change
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2 ** -7)
 
 

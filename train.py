@@ -56,7 +56,6 @@ def kv_quant(kind):  # K, V [B, T, K, H] as a quantised cache keeps them: int8 p
         return lambda a: fake_quant(a, (3,), "int8")
     if kind == "fp8":  # unit scale, saturating at e4m3's largest value
         return lambda a: jnp.clip(a.astype(jnp.float32), -448, 448).astype(jnp.float8_e4m3fn).astype(a.dtype)
-    return None
 
 @partial(jax.jit, static_argnums=(1, 2))
 def sampler_weights(w, kind, sigma=0.0, key=None):
@@ -136,7 +135,7 @@ def generate(sampler, w, prompts, pad_id, key, data, n):  # every prompt, n rows
     extra = -len(prompts) % n  # the last call is padded with copies of the first prompt
     prompt, pos = (np.concatenate([x, np.repeat(x[:1], extra, 0)]) for x in (prompt, pos))
     outs = [host(sampler(w, *jax.device_put((prompt[i:i + n], pos[i:i + n]), data),
-                                   jax.random.fold_in(key, i))) for i in range(0, len(prompt), n)]
+                         jax.random.fold_in(key, i))) for i in range(0, len(prompt), n)]
     return {k: np.concatenate([o[k] for o in outs])[:len(prompts)] for k in outs[0]} | dict(
         prompt=prompt[:len(prompts)], pos=pos[:len(prompts)])
 
@@ -191,8 +190,8 @@ def make_train_step(cfg, opt, loss_kw, micro_batch, mesh, lora_scale=None):
     """fn(params, opt_state, batch, base=None) -> (params, opt_state, metrics); params are the weights, or
     LoRA adapters on the frozen `base`; batch: the sampler's record plus prompt, pos [B, T0] and adv [B].
     Gradients accumulate over micro-batches, each spread over the mesh's data axis, and the loss is the token
-    mean over the whole batch: the same numbers as one large batch. The weights, their gradients and optimizer
-    state stay split as `shardings` says (LoRA: the base; the adapters and their state are replicated)."""
+    mean over the whole batch: the same numbers as one large batch. Weights, gradients and optimizer state
+    stay split as `shardings` says (LoRA: the base; the adapters and their state whole on every device)."""
     def token_sum_loss(params, base, b):
         logits = completion_logits(cfg, merge(params, base, lora_scale), b["prompt"], b["pos"], b["tokens"])
         loss, metrics = sc.loss(logits, b["tokens"], b["mask"], b["adv"], b["logq"], b.get("head_ids"),
@@ -224,9 +223,8 @@ def make_train_step(cfg, opt, loss_kw, micro_batch, mesh, lora_scale=None):
 def drift_meter(logp, probe, w0, micro_batch):
     """fn(w) -> token mean of log p_0(y) - log p_w(y) over the probe completions: KL(p_0 || p_w) estimated."""
     def probe_logp(w):  # [B, M], micro_batch rows a call
-        rows = range(0, len(probe["tokens"]), micro_batch)
         return np.concatenate([host(logp(w, {k: x[i:i + micro_batch] for k, x in probe.items()}))
-                               for i in rows])
+                               for i in range(0, len(probe["tokens"]), micro_batch)])
     logp0, mask = probe_logp(w0), probe["mask"]
     return lambda w: float(((logp0 - probe_logp(w)) * mask).sum() / max(mask.sum(), 1))
 
@@ -241,13 +239,9 @@ def build(args, cfg, eos):  # the jitted functions, compiled once and shared by 
                 evaluator=make_sampler(cfg, args.max_tokens, 1, eos, greedy=True),
                 prober=make_sampler(cfg, args.max_tokens, 1, eos))
 
-def rewards(task, out, problems):  # [B]: the task's reward of each completion (its masked tokens)
-    return np.asarray(task.reward(out["tokens"], out["mask"], [gold for _, gold in problems]))
-
 def evaluate(fn, task, w_bf16, key, data, n):  # mean reward of greedy completions of the test prompts
-    prompts = [p for p, _ in task.test]
-    out = generate(fn["evaluator"], w_bf16, prompts, task.pad, key, data, n)
-    return float(rewards(task, out, task.test).mean())
+    out = generate(fn["evaluator"], w_bf16, [p for p, _ in task.test], task.pad, key, data, n)
+    return float(np.mean(task.reward(out["tokens"], out["mask"], [gold for _, gold in task.test])))
 
 def run(args, task, fn, center, seed, out):
     """One GRPO run into `out` (resumed from its state when there is one); returns its summary."""
@@ -258,9 +252,9 @@ def run(args, task, fn, center, seed, out):
     key, noise_key, probe_key, lora_key = jax.random.split(jax.random.PRNGKey(seed), 4)
     # FSDP: the weights (LoRA: the frozen base) and the optimizer state split over the devices; a copy, as
     # the step donates it (device_put may return the task's own buffers, even with may_alias=False)
-    base = jax.tree.map(jnp.copy, jax.device_put(task.weights, shardings(task.weights, fn["mesh"])))
-    params = jax.device_put(lora_init(base, args.lora, lora_key), replicated) if args.lora else base
-    base = base if args.lora else None
+    w = jax.tree.map(jnp.copy, jax.device_put(task.weights, shardings(task.weights, fn["mesh"])))
+    params, base = (jax.device_put(lora_init(w, args.lora, lora_key), replicated), w) if args.lora else (
+        w, None)
     where = replicated if args.lora else shardings(jax.eval_shape(opt.init, params), fn["mesh"])
     opt_state = jax.jit(opt.init, out_shardings=where)(params)  # in place: no device holds all of Adam's
     # the sampler's own copy: bf16 and whole on every device, gathered once per refresh, not once per token
@@ -289,7 +283,7 @@ def run(args, task, fn, center, seed, out):
                         for i in range(n)]  # each prompt --group times
             batch = generate(fn["sampler"], w_sampler, [p for p, _ in problems], task.pad,
                              jax.random.fold_in(key, step), data, n)
-            r = rewards(task, batch, problems)
+            r = np.asarray(task.reward(batch["tokens"], batch["mask"], [gold for _, gold in problems]))
             t1 = time.perf_counter()
             batch["adv"] = advantage(r.astype(np.float32), args)
             params, opt_state, m = fn["steps"][center](params, opt_state, jax.device_put(batch, data), base)
@@ -340,8 +334,7 @@ def gsm8k_task(args):
     prompts = lambda problems: [(tok.chat(q + INSTRUCTION), gold) for q, gold in problems]  # noqa: E731
     ids = lambda row: [t for t in row if t not in tok.eos_ids]  # noqa: E731  (the text ends at its EOS)
     return Task(cfg, model.weights, tok.eos_ids, tok.pad_id, prompts(train_set),
-                prompts(test_set[:args.eval_n]),
-                [p for p, _ in prompts(test_set[:args.probe_n])],
+                prompts(test_set[:args.eval_n]), [p for p, _ in prompts(test_set[:args.probe_n])],
                 lambda tokens, mask, golds: [reward(tok.decode(ids(t[m])), g) for t, m, g in
                                              zip(tokens, mask, golds)], model.path)
 
@@ -358,13 +351,12 @@ def sequence_task(args):
     top 3 at the prefix the policy wrote, a preference to learn while staying fluent by p_0's standard (the
     stand-in for a pretrained LM's competence, which drift erodes); the held-out score is its greedy mean."""
     cfg, rng = dict(SEQUENCE), np.random.default_rng(args.seed)
-    V, (top, layers) = cfg["vocab_size"], qwen3.layout(cfg)
+    V, L, (top, layers) = cfg["vocab_size"], cfg["num_hidden_layers"], qwen3.layout(cfg)
     if args.topk > V:
         raise ValueError(f"--topk {args.topk} exceeds the {V} tokens of the sequence task")
     init = lambda shape, fan_in: rng.standard_normal(shape, np.float32) * fan_in ** -0.5  # noqa: E731
     w = {k: np.full(s, SHARPEN if k == "norm" else 1, np.float32) if len(s) == 1 else init(s, s[-1])
          for k, (_, _, s) in top.items()}
-    L = cfg["num_hidden_layers"]
     w["layers"] = {k: np.ones((L, *s), np.float32) if len(s) == 1 else
                    init((L, *s), math.prod(s[:len(INPUT_AXES[k])])) for k, (_, _, s) in layers.items()}
     w, n = jax.tree.map(jnp.asarray, w), 512 + args.eval_n
@@ -385,17 +377,14 @@ def sequence_task(args):
 # ---------------------------------------------------------------------------------------------------------
 # the toy bandit: the policy is a vector of K logits, the sampler's are the trainer's plus a fixed offset
 
-def tv(logits_a, logits_b):  # total-variation distance between two softmax distributions
-    return float(0.5 * jnp.abs(jax.nn.softmax(logits_a) - jax.nn.softmax(logits_b)).sum())
-
 def bandit(args, center, staleness, out=None):
     """One run through the very same loss (T = 1). Returns the drift TV(p_t, p_0) after every step."""
+    tv = lambda a, b: float(0.5 * jnp.abs(jax.nn.softmax(a) - jax.nn.softmax(b)).sum())  # noqa: E731  (TV)
     k_success, k_bias, key = jax.random.split(jax.random.PRNGKey(args.seed), 3)
     success = jax.random.uniform(k_success, (args.arms,), minval=0.45, maxval=0.55)  # a small signal
     bias = args.weight_noise * jax.random.normal(k_bias, (args.arms,))  # drawn once: a persistent bias
     B, K = args.prompts * args.group, min(args.topk or args.arms, args.arms)
     opt = OPTIMIZERS[args.optimizer](args.lr)
-
     @jax.jit
     def step(theta, opt_state, sampler_logits, key):
         k_arm, k_reward = jax.random.split(key)
@@ -412,7 +401,6 @@ def bandit(args, center, staleness, out=None):
         updates, opt_state = opt.update(g, opt_state, theta)
         m = dict(m, reward=r.mean(), grad_norm=optax.tree.norm(g))
         return optax.apply_updates(theta, updates), opt_state, m
-
     theta0 = jnp.zeros(args.arms)
     theta, opt_state, curve = theta0, opt.init(theta0), []
     for i in range(args.steps):
@@ -422,8 +410,7 @@ def bandit(args, center, staleness, out=None):
         curve.append(tv(theta, theta0))
         if out is not None and ((i + 1) % args.eval_every == 0 or i in (0, args.steps - 1)):
             row = dict({k: float(v) for k, v in m.items()}, step=i + 1, drift=curve[-1])
-            columns = ["reward", "drift", "grad_norm", "kl_q_p", "logprob_gap", "entropy"]
-            harness.log_step(row, args.steps, columns, out)
+            harness.log_step(row, args.steps, [c for c in harness.COLUMNS if c in row], out)
     return dict(drift=curve[-1], gap=tv(theta0 + bias, theta0), reward=float(jax.nn.softmax(theta) @ success),
                 best_arm=float(success.max()), curve=curve)
 
@@ -431,9 +418,8 @@ def run_bandit(args):
     if not args.compare:
         res = bandit(args, args.center, args.staleness, args.out or "")
         return harness.write_summary(args.out, {k: v for k, v in res.items() if k != "curve"})
-    return harness.report_bandit(args, {(s, c): bandit(args, c, st) for s, st in (("online", 0),
-                                                                                  ("frozen", args.steps))
-                                        for c in (0, 1)})
+    runs = {(s, c): bandit(args, c, st) for s, st in (("online", 0), ("frozen", args.steps)) for c in (0, 1)}
+    return harness.report_bandit(args, runs)
 
 # ---------------------------------------------------------------------------------------------------------
 # --compare: centring off, then on, from the same seed, weights, data, noise and keys; --plan; main
@@ -447,30 +433,26 @@ def compare(args, task):
             name = ("centered" if center else "uncentered") + (f"_seed{seed}" if len(seeds) > 1 else "")
             print(f"\n---- {name}", flush=True)
             out = args.out and os.path.join(args.out, name)
-            if out:
-                os.makedirs(out, exist_ok=True)
+            os.makedirs(out, exist_ok=True) if out else None
             res[name] = run(args, task, fn, center, seed, out)
     return harness.report(args, task.cfg, res)
 
-PLAN_PROMPT = 256  # --plan's prompt tokens (GSM8K's chat prompts take 100 to 250)
-
-def plan(args, cfg):
+def plan(args, cfg, T0=256):  # T0: the prompt tokens planned for (GSM8K's chat prompts take 100 to 250)
     """--plan: will this run fit? The sampler and the train step compiled for this batch on weights that are
     only shapes and shardings (config.json alone); bytes per device, exact for arrays, XLA's for programs."""
     fn, (top, layers), L = build(args, cfg, (0,)), qwen3.layout(cfg), cfg["num_hidden_layers"]
-    mesh, B, key = fn["mesh"], args.prompts * args.group, jax.random.PRNGKey(0)
+    mesh, B, M, key = fn["mesh"], args.prompts * args.group, args.max_tokens, jax.random.PRNGKey(0)
     every = lambda where: lambda tree: jax.tree.map(lambda _: NamedSharding(mesh, where), tree)  # noqa: E731
     trained = every(P()) if args.lora else partial(shardings, mesh=mesh)  # LoRA adapters: whole
-
     def abstract(tree, where):  # the shapes and dtypes of tree, placed as where(tree) says
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, where(tree))
+        return jax.tree.map(lambda x, s: x.update(sharding=s), tree, where(tree))
     w = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, (_, _, s) in top.items()} | dict(layers={
         k: jax.ShapeDtypeStruct((L, *s), jnp.float32) for k, (_, _, s) in layers.items()})
     w16 = abstract(jax.tree.map(lambda x: x.update(dtype=jnp.bfloat16), w), every(P()))  # the sampler's
     w = abstract(w, partial(shardings, mesh=mesh))
-    params = abstract(jax.eval_shape(partial(lora_init, rank=args.lora), w, key=key), trained) if args.lora else w
-    state = abstract(jax.eval_shape(fn["opt"].init, params), trained)
-    prompt = jax.ShapeDtypeStruct((B, PLAN_PROMPT), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    params = jax.eval_shape(partial(lora_init, rank=args.lora), w, key=key) if args.lora else w
+    params, state = (abstract(t, trained) for t in (params, jax.eval_shape(fn["opt"].init, params)))
+    prompt = jax.ShapeDtypeStruct((B, T0), jnp.int32, sharding=NamedSharding(mesh, P("data")))  # and pos
     batch = abstract(jax.eval_shape(fn["sampler"], w16, prompt, prompt, key) | dict(  # and the advantages
         prompt=prompt, pos=prompt, adv=jax.ShapeDtypeStruct((B,), jnp.float32)), every(P("data")))
     s, t = (f.lower(*a).compile().memory_analysis() for f, a in [
@@ -478,8 +460,7 @@ def plan(args, cfg):
         (fn["steps"][args.center], (params, state, batch, w if args.lora else None))])
     size = lambda tree: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize  # noqa: E731
                             for x in jax.tree.leaves(tree))
-    kv = 2 * L * B // mesh.size * (PLAN_PROMPT + args.max_tokens) * cfg["num_key_value_heads"] * cfg[
-        "head_dim"] * 2  # K and V in bf16, a device's rows
+    kv = 2 * L * B // mesh.size * (T0 + M) * cfg["num_key_value_heads"] * cfg["head_dim"] * 2  # K, V: bf16
     rows = {"weights": size(w), "adapters": size(params) * bool(args.lora), "gradients": size(params),
             "optimizer state": size(state), "sampler weights": size(w16), "kv cache": kv,
             "sampler temporaries": s.temp_size_in_bytes, "train step arguments": t.argument_size_in_bytes,
@@ -488,17 +469,16 @@ def plan(args, cfg):
         s.argument_size_in_bytes + s.output_size_in_bytes + s.temp_size_in_bytes)
     rows["peak in the train step"] = rows["sampler weights"] + (
         t.argument_size_in_bytes + t.output_size_in_bytes - t.alias_size_in_bytes + t.temp_size_in_bytes)
-    print(f"--plan: {L}-layer Qwen3 (D {cfg['hidden_size']}, V {cfg['vocab_size']}), {B} rollouts x "
-          f"({PLAN_PROMPT} prompt + {args.max_tokens} tokens), micro-batch {args.micro_batch}, {args.optimizer}"
+    print(f"--plan: {L}-layer Qwen3 (D {cfg['hidden_size']}, V {cfg['vocab_size']}), {B} rollouts x ({T0} "
+          f"prompt + {M} tokens), micro-batch {args.micro_batch}, {args.optimizer}"
           f"{f', LoRA {args.lora}' if args.lora else ''}, {mesh.size} {jax.devices()[0].platform} devices")
-    harness.table("bytes per device", {k: dict(MiB=v / 2**20) for k, v in rows.items()}, dict(MiB="{:10,.1f}"))
+    harness.table("per device", {k: dict(MiB=v / 2**20) for k, v in rows.items()}, dict(MiB="{:10,.1f}"))
     return rows
 
 def parse_args(argv=None):
     return harness.parse_args(argv, RECIPE, __doc__.split("\n")[0])
 
 def main(argv=None):
-    harness.join_processes()  # one of several processes (several hosts): all their devices form one mesh
     args = parse_args(argv)
     harness.start(args)
 
