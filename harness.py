@@ -81,8 +81,8 @@ def mistakes(args, chosen):  # one line per mistake; checks are (is it wrong, wh
         (args.seeds and (not args.compare or bandit), "--seeds is for --compare on --task gsm8k or sequence"),
         (args.compare and args.save, "--save keeps one policy: drop --compare"),
         (args.plot and not args.compare, "--plot draws the --compare runs: add --compare"),
-        (args.plan and (bandit or args.compare or args.resume),
-         "--plan is for one run: drop --compare, --resume"),
+        (args.plan and (bandit or args.compare or args.resume or args.out or args.save),
+         "--plan only prints: drop --compare, --resume, --out and --save (and --task bandit)"),
         (bandit and bool(args.save or args.data_dir or args.lora or args.kv_quant or args.save_every
                          or args.resume or "sampler" in chosen),
          "--save, --data-dir, --lora, --sampler, --kv-quant, --save-every and --resume are not for --task "

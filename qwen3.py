@@ -139,10 +139,11 @@ def load(path, dtype=jnp.float32, place=None):
            mm(*header[n.format(i)]).T.reshape(s) for i in range(L)] for k, (n, _, s) in layers.items()}}
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((L, *x[0].shape) if isinstance(x, list) else x.shape,
                                                          dtype), src, is_leaf=lambda x: isinstance(x, list))
-    place = place or (lambda t: jax.tree.broadcast(jax.sharding.SingleDeviceSharding(jax.devices()[0]), t))
     part = lambda x, i: (np.stack([m[i[1:]] for m in x[i[0]]]) if isinstance(x, list) else x[i]).astype(dtype)
-    array = lambda s, w, x: jax.make_array_from_callback(s.shape, w, lambda i: part(x, i))
-    return Model(cfg, jax.tree.map(array, shapes, place(shapes), src), load_tokenizer(path, cfg), path)
+    array = lambda s, w, x: (jax.make_array_from_callback(s.shape, w, lambda i: part(x, i)) if place else
+                             jnp.asarray(part(x, (slice(None),) * len(s.shape))))  # default: uncommitted
+    return Model(cfg, jax.tree.map(array, shapes, place(shapes) if place else shapes, src),
+                 load_tokenizer(path, cfg), path)
 def check_save_dir(out_dir):  # refuses a file, an unwritable folder, or a checkpoint save() did not write
     d = Path(out_dir).absolute()  # only looks: creates nothing
     up = next(p for p in (d, *d.parents) if p.exists())  # out_dir, or the folder it would be made in

@@ -131,9 +131,8 @@ def host(tree):  # numpy copies of (global) arrays: every row, on every process,
     return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
 
 def generate(sampler, w, prompts, pad_id, key, data, n):  # every prompt, n rows (one program) a call
-    prompt, pos = left_pad(prompts, pad_id)
-    extra = -len(prompts) % n  # the last call is padded with copies of the first prompt
-    prompt, pos = (np.concatenate([x, np.repeat(x[:1], extra, 0)]) for x in (prompt, pos))
+    prompt, pos = (np.concatenate([x, np.repeat(x[:1], -len(prompts) % n, 0)])  # the last call is padded
+                   for x in left_pad(prompts, pad_id))  # with copies of the first prompt
     outs = [host(sampler(w, *jax.device_put((prompt[i:i + n], pos[i:i + n]), data),
                          jax.random.fold_in(key, i))) for i in range(0, len(prompt), n)]
     return {k: np.concatenate([o[k] for o in outs])[:len(prompts)] for k in outs[0]} | dict(
@@ -220,18 +219,21 @@ def make_train_step(cfg, opt, loss_kw, micro_batch, mesh, lora_scale=None):
 # ---------------------------------------------------------------------------------------------------------
 # one GRPO run: evaluation and the drift meter, rollouts, the train step, a resumable state
 
-def drift_meter(logp, probe, w0, micro_batch):
+def drift_meter(logp, probe, w0, micro_batch, data):
     """fn(w) -> token mean of log p_0(y) - log p_w(y) over the probe completions: KL(p_0 || p_w) estimated."""
-    def probe_logp(w):  # [B, M], micro_batch rows a call
-        return np.concatenate([host(logp(w, {k: x[i:i + micro_batch] for k, x in probe.items()}))
-                               for i in range(0, len(probe["tokens"]), micro_batch)])
-    logp0, mask = probe_logp(w0), probe["mask"]
+    n, pad = len(probe["mask"]), -len(probe["mask"]) % micro_batch  # the last call: copies of row 0, cut
+    probe = {k: np.concatenate([x, np.repeat(x[:1], pad, 0)]) for k, x in probe.items()}
+    def probe_logp(w):  # [B, M], micro_batch rows a call, split over the devices
+        rows = ({k: x[i:i + micro_batch] for k, x in probe.items()} for i in range(0, n + pad, micro_batch))
+        return np.concatenate([host(logp(w, jax.device_put(b, data))) for b in rows])[:n]
+    logp0, mask = probe_logp(w0), probe["mask"][:n]
     return lambda w: float(((logp0 - probe_logp(w)) * mask).sum() / max(mask.sum(), 1))
 
 def build(args, cfg, eos):  # the jitted functions, compiled once and shared by every run of a --compare
     mesh = Mesh(np.array(jax.devices()), ("data",))
     opt, scale = OPTIMIZERS[args.optimizer](args.lr), args.lora and args.lora_alpha / args.lora
     return dict(mesh=mesh, opt=opt, scale=scale, logp=jax.jit(partial(token_logp, cfg)),
+                merge=jax.jit(merge, static_argnums=2) if args.lora else merge,  # each device its part
                 steps={c: make_train_step(cfg, opt, loss_kw(args, c), args.micro_batch, mesh, scale)
                        for c in (False, True)},
                 sampler=make_sampler(cfg, args.max_tokens, args.topk, eos, quant_mm(args.sampler),
@@ -250,8 +252,7 @@ def run(args, task, fn, center, seed, out):
     n, opt, scale = args.prompts * args.group, fn["opt"], fn["scale"]
     data, replicated = NamedSharding(fn["mesh"], P("data")), NamedSharding(fn["mesh"], P())  # rows split
     key, noise_key, probe_key, lora_key = jax.random.split(jax.random.PRNGKey(seed), 4)
-    # FSDP: the weights (LoRA: the frozen base) and the optimizer state split over the devices; a copy, as
-    # the step donates it (device_put may return the task's own buffers, even with may_alias=False)
+    # FSDP-split weights (LoRA: the frozen base), copied: the step donates them, and device_put may not copy
     w = jax.tree.map(jnp.copy, jax.device_put(task.weights, shardings(task.weights, fn["mesh"])))
     params, base = (jax.device_put(lora_init(w, args.lora, lora_key), replicated), w) if args.lora else (
         w, None)
@@ -260,17 +261,18 @@ def run(args, task, fn, center, seed, out):
     # the sampler's own copy: bf16 and whole on every device, gathered once per refresh, not once per token
     copy = lambda w, *a: jax.device_put(sampler_weights(w, *a), replicated)  # noqa: E731
     # the drift meter: probe completions drawn once from the initial policy, clean bf16, temperature 1
-    w0 = merge(params, base, scale)
+    w0 = fn["merge"](params, base, scale)
     probe = generate(fn["prober"], copy(w0, "bf16"), task.probe, task.pad, probe_key, data, n)
     drift = drift_meter(fn["logp"], {k: probe[k] for k in ("prompt", "pos", "tokens", "mask")}, w0,
-                        args.micro_batch)
+                        args.micro_batch, data)
     stale = copy(w0, "bf16") if args.staleness else None  # the template of the sampler's copy
     hist, (params, opt_state, w_sampler) = harness.resume(
         out, dict(step=0, acc={}, drift={}, kl_q_p=[], reward=[]), params, opt_state, stale)
     order = np.random.default_rng(seed).permutation(len(task.train))
     for step in range(hist["step"], args.steps + 1):
         harness.at_step(step, out, args.out, hist["step"])
-        row, w = {"step": step}, merge(params, base, scale)
+        row, w = {"step": step}, fn["merge"](params, base, scale)
+        w_sampler = w_sampler if step % (args.staleness + 1) else None  # refreshed below: one copy at a time
         if step % args.eval_every == 0 or step == args.steps:
             hist["drift"][str(step)] = row["drift"] = drift(w)
             if task.test:
@@ -297,7 +299,7 @@ def run(args, task, fn, center, seed, out):
             hist["step"] = step + 1
             harness.save_state(os.path.join(out, "state.npz"), hist,
                                *host((params, opt_state, w_sampler if args.staleness else None)))
-    weights = host(merge(params, base, scale)) if args.save else None  # every process takes part
+    weights = host(fn["merge"](params, base, scale)) if args.save else None  # every process takes part
     if args.save and not jax.process_index():  # process 0 writes
         harness.save_checkpoint(args.save, task.cfg, weights, task.path)
     return harness.finish(out, hist, args.steps)
@@ -438,8 +440,7 @@ def compare(args, task):
     return harness.report(args, task.cfg, res)
 
 def plan(args, cfg, T0=256):  # T0: the prompt tokens planned for (GSM8K's chat prompts take 100 to 250)
-    """--plan: will this run fit? The sampler and the train step compiled for this batch on weights that are
-    only shapes and shardings (config.json alone); bytes per device, exact for arrays, XLA's for programs."""
+    """--plan: the sampler and the train step compiled on shapes and shardings alone; bytes per device."""
     fn, (top, layers), L = build(args, cfg, (0,)), qwen3.layout(cfg), cfg["num_hidden_layers"]
     mesh, B, M, key = fn["mesh"], args.prompts * args.group, args.max_tokens, jax.random.PRNGKey(0)
     every = lambda where: lambda tree: jax.tree.map(lambda _: NamedSharding(mesh, where), tree)  # noqa: E731
@@ -469,9 +470,8 @@ def plan(args, cfg, T0=256):  # T0: the prompt tokens planned for (GSM8K's chat 
         s.argument_size_in_bytes + s.output_size_in_bytes + s.temp_size_in_bytes)
     rows["peak in the train step"] = rows["sampler weights"] + (
         t.argument_size_in_bytes + t.output_size_in_bytes - t.alias_size_in_bytes + t.temp_size_in_bytes)
-    print(f"--plan: {L}-layer Qwen3 (D {cfg['hidden_size']}, V {cfg['vocab_size']}), {B} rollouts x ({T0} "
-          f"prompt + {M} tokens), micro-batch {args.micro_batch}, {args.optimizer}"
-          f"{f', LoRA {args.lora}' if args.lora else ''}, {mesh.size} {jax.devices()[0].platform} devices")
+    print(f"--plan: {L}-layer Qwen3, {B} rollouts x ({T0} + {M} tokens), micro-batch {args.micro_batch}, "
+          f"{args.optimizer}{f', LoRA {args.lora}' * bool(args.lora)}, {mesh.size} devices")
     harness.table("per device", {k: dict(MiB=v / 2**20) for k, v in rows.items()}, dict(MiB="{:10,.1f}"))
     return rows
 
