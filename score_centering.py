@@ -1,52 +1,60 @@
-"""Score centering: a drift-free policy-gradient loss for RL whose sampler's numerics differ from the trainer.
+"""Score centering: a drift-free policy-gradient loss for RL with a sampler whose numerics differ
+from the trainer's.
 
-Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning", arXiv 2609.20807 (2026).
+Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning", arXiv 2609.20807
+(2026). Shapes: B rows, T tokens, V vocabulary, k the sampler's top-k head size.
 """
 
-# The derivation, one step per number; the last step is the line of code that follows it.
-# Notation: prefix h (the prompt and the tokens before t); trainer p(v) = p_θ(v | h); sampler q(v) = q(v | h);
-# score s_v = ∇_θ log p(v); A the rollout's advantage; z the trainer's logits, ∇_z log p(v) = e_v − p.
+# The derivation, one step per number; its last step sits on the line of code it justifies.
+# Notation: prefix h (the prompt and the tokens before t); trainer p(v) = p_θ(v | h);
+# sampler q(v) = q(v | h); score s_v = ∇_θ log p(v); A the rollout's advantage; y the sampled
+# token; z the trainer's logits, with ∇_z log p(v) = e_v − p.
 #
-# 1. The sampler q generates the rollouts, so REINFORCE estimates the policy gradient with one term per
-#    generated token: g = A · s_y, y ~ q.
-# 2. Zero-mean score lemma: Σ_v p(v) s_v = ∇_θ Σ_v p(v) = ∇_θ 1 = 0. On-policy (y ~ p), anything in A that
-#    does not depend on y (a baseline, a constant reward) adds nothing to the expected gradient.
-# 3. Off-policy the lemma fails: E_{y~q}[s_y] = Σ_v q(v) s_v =: s̄_q ≠ 0. In logit space s̄_q = q − p,
-#    which is −∇_z CE(q, p): the direction that distils p toward q.
+# 1. The sampler q generates the rollouts, so REINFORCE estimates the policy gradient with one
+#    term per generated token: g = A · s_y, y ~ q.
+# 2. Zero-mean score lemma: Σ_v p(v) s_v = ∇_θ Σ_v p(v) = ∇_θ 1 = 0. On-policy (y ~ p), anything
+#    in A that does not depend on y (a baseline, a constant reward) adds nothing to the expected
+#    gradient.
+# 3. Off-policy the lemma fails: E_{y~q}[s_y] = Σ_v q(v) s_v =: s̄_q ≠ 0. In logit space
+#    s̄_q = q − p, which is −∇_z CE(q, p): the direction that distils p toward q.
 # 4. Split the expected update at one prefix: E_q[A s_y] = E_q[A | h] · s̄_q + Cov_q(A, s_y).
-#    The first term is drift: it carries no reward information, vanishes only when q = p, and follows the
-#    sign of the prefix's mean advantage (positive pulls p toward q, negative pushes it away).
-#    The second term is the signal.
-# 5. Drift accumulates. After each step the sampler is rebuilt from the new trainer weights and comes out
-#    biased the same way again (same quantiser, same noise), so the trainer chases a target that moves
-#    with it: a walk without bound. A frozen sampler is a fixed target: drift distils p onto q, then stops.
-# 6. A group-mean baseline (GRPO) makes the group's mean advantage zero, not E_q[A | h] at every prefix of
-#    every sequence, so drift survives it in sequences. (In a one-step bandit it vanishes in expectation.)
+#    The first term is drift: it carries no reward information, vanishes only when q = p, and
+#    follows the sign of the prefix's mean advantage (positive pulls p toward q, negative pushes
+#    it away). The second term is the signal.
+# 5. Drift accumulates. After each step the sampler is rebuilt from the new trainer weights and
+#    comes out biased the same way again (same quantiser, same noise), so the trainer chases a
+#    target that moves with it: a walk without bound. A frozen sampler is a fixed target: drift
+#    distils p onto q, then stops.
+# 6. A group-mean baseline (GRPO) makes the group's mean advantage zero, not E_q[A | h] at every
+#    prefix of every sequence, so drift survives it in sequences. (In a one-step bandit it
+#    vanishes in expectation.)
 # 7. Score centering subtracts the sampler-expected score from every token's score:
-#    s̃_y = s_y − Σ_v q(v) s_v. Then E_q[s̃_y] = 0 and E_q[A s̃_y] = Cov_q(A, s_y): drift gone, signal kept.
-#    In logit space the centred score is e_y − q instead of e_y − p.
-# 8. As a loss per trained token, with sg = stop-gradient (q is data and is never differentiated):
+#    s̃_y = s_y − Σ_v q(v) s_v. Then E_q[s̃_y] = 0 and E_q[A s̃_y] = Cov_q(A, s_y): drift gone,
+#    signal kept. In logit space the centred score is e_y − q instead of e_y − p.
+# 8. As a loss per trained token, with sg = stop-gradient (q is data, never differentiated):
 #    ℓ_t = −sg(A) · [log p(y_t) − Σ_v sg(q(v)) · log p(v)].
-#    The batch loss is the token mean, the sum over trained tokens divided by their number, so every token
-#    weighs the same whatever its sequence's length (a per-sequence mean or a sum would only rescale terms).
-# 9. A token-level importance weight w_v = f(p(v) / q(v)) (detached) re-weights each score; centre the
-#    weighted score: ℓ_t = −sg(A) · [sg(w_y) log p(y) − Σ_v sg(m_v) log p(v)], effective mass m = q · w.
-#    Truncated IS, f(r) = min(r, C), gives m = min(p, C · q), computed in log space. Untruncated IS gives
-#    m = p and the term vanishes by step 2: full IS is drift-free already, at the price of its variance.
-#    Masked IS (miles' `mis`, verl's IcePop), f(r) = r · 1[lo ≤ r ≤ hi], gives m = p · 1[lo ≤ p/q ≤ hi]:
-#    a token whose ratio leaves the band drops out of both terms; the band [0, ∞) is untruncated IS.
-# 10. Top-k: q over a 151k vocabulary at every token is too big to keep, so the sampler records its head H
-#    (top-k ids and their log q, normalised over the full vocabulary). Model the tail as proportional to
-#    the trainer, q̂(v) = ρ p(v) off H, with ρ = max(1 − Σ_H q, ε) / max(1 − Σ_H p, ε), ε = 1e-6. By step 2
-#    the tail's score sum is minus the head's, so Σ_v q̂(v) s_v = Σ_{v∈H} (q(v) − ρ p(v)) s_v: the
-#    correction touches only k logits. With IS the tail's ratio p / q̂ = 1/ρ is constant, its effective
-#    mass is α p with α = ρ f(1/ρ) (TIS: min(1, C ρ); MIS: 1[lo ≤ 1/ρ ≤ hi]), and each head coefficient is
-#    c_v = sg(m_v − α p(v)). When H is the whole vocabulary the tail is empty and any α gives the exact
-#    formula: one code path serves both.
-# 11. So each trained token contributes −sg(A) · [sg(w_y) log p(y) − Σ_{v∈H} c_v log p(v)], whose
-#    gradient in logit space is −A · [w_y (e_y − p) − Σ_H c_v (e_v − p)]; without IS and with H = V this
-#    is −A · (e_y − q). `center=False` drops the sum: plain (optionally IS-weighted) REINFORCE. The value
-#    also gets sg(α H(p)) (H the entropy, zero gradient), so it equals step 9's with q̂: Σ_v m̂_v log p(v).
+#    The batch loss is the token mean, the sum over trained tokens divided by their number, so
+#    every token weighs the same whatever its sequence's length.
+# 9. A token-level importance weight w_v = f(p(v) / q(v)) (detached) re-weights each score;
+#    centre the weighted score, with the effective mass m = q · w:
+#    ℓ_t = −sg(A) · [sg(w_y) log p(y) − Σ_v sg(m_v) log p(v)].
+#    Truncated IS (TIS), f(r) = min(r, C), gives m = min(p, C · q), computed in log space.
+#    Untruncated IS gives m = p and the term vanishes by step 2: full IS is drift-free already,
+#    at the price of its variance. Masked IS (MIS; miles' `mis`, verl's IcePop),
+#    f(r) = r · 1[lo ≤ r ≤ hi], gives m = p · 1[lo ≤ p/q ≤ hi]: a token whose ratio leaves the
+#    band drops out of both terms; the band [0, ∞) is untruncated IS.
+# 10. Top-k: q over a 151k vocabulary at every token is too big to keep, so the sampler records
+#    its head: its top-k ids and their log q, normalised over the full vocabulary. Model the
+#    tail as proportional to the trainer, q̂(v) = ρ p(v) off the head, with
+#    ρ = max(1 − Σ_head q, ε) / max(1 − Σ_head p, ε), ε = 1e-6. By step 2 the tail's score sum
+#    is minus the head's, so Σ_v q̂(v) s_v = Σ_{v∈head} (q(v) − ρ p(v)) s_v: the correction
+#    touches only k logits. With IS the tail's ratio p / q̂ = 1/ρ is constant, its effective
+#    mass is α p with α = ρ f(1/ρ) (TIS: min(1, C ρ); MIS: 1[lo ≤ 1/ρ ≤ hi]), and each head
+#    coefficient is c_v = sg(m_v − α p(v)). When the head is the whole vocabulary the tail is
+#    empty and any α gives the exact formula: one code path serves both.
+# 11. So each trained token contributes −sg(A) · [sg(w_y) log p(y) − Σ_{v∈head} c_v log p(v)],
+#    whose gradient in logit space is −A · [w_y (e_y − p) − Σ_head c_v (e_v − p)]; without IS
+#    and with the whole vocabulary as head, −A · (e_y − q). It is the last line of `loss`.
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,19 +62,8 @@ import numpy as np
 EPS = 1e-6  # floor of the tail masses in the top-k model (step 10)
 
 
-def _check(
-    logits,
-    tokens,
-    mask,
-    advantages,
-    sampler_logprobs,
-    head_ids,
-    head_logprobs,
-    center,
-    tis_cap,
-    mis,
-):
-    """Raise ValueError on inconsistent shapes, ids or options; runs at trace time, before any compute."""
+def _check_arrays(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs):
+    """Raise ValueError on inconsistent shapes or ids; runs at trace time, before any compute."""
     if logits.ndim != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {logits.shape}")
     B, T, V = logits.shape
@@ -86,18 +83,33 @@ def _check(
         )
     if head_ids is not None:
         if head_logprobs is None:
-            raise ValueError(
-                "head_ids given without head_logprobs: pass the sampler's log q at head_ids"
-            )
+            raise ValueError("head_ids given without head_logprobs: pass the sampler's log q there")
         if (
             head_ids.ndim != 3
             or head_ids.shape[:2] != (B, T)
             or head_logprobs.shape != head_ids.shape
         ):
             raise ValueError(
-                f"head_ids and head_logprobs must both be [B, T, K] with B, T = {(B, T)}, got "
+                f"head_ids and head_logprobs must both be [B, T, k] with B, T = {(B, T)}, got "
                 f"head_ids {head_ids.shape} and head_logprobs {head_logprobs.shape}"
             )
+    for name, ids in (("tokens", tokens), ("head_ids", head_ids)):
+        if ids is None:
+            continue
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+        if isinstance(ids, jax.core.Tracer) or not ids.size:  # values unknown under jit: _gather
+            continue
+        lo, hi = int(np.asarray(ids).min()), int(np.asarray(ids).max())
+        if lo < 0 or hi >= V:
+            raise ValueError(
+                f"{name} {ids.shape} holds ids in [{lo}, {hi}], outside [0, V) for logits "
+                f"{logits.shape}"
+            )
+
+
+def _check_options(center, tis_cap, mis, head_logprobs):
+    """Raise ValueError on options that contradict each other or the inputs."""
     if center and head_logprobs is None:
         raise ValueError(
             "center=True needs the sampler's distribution: pass head_ids and head_logprobs "
@@ -112,36 +124,24 @@ def _check(
         raise ValueError(
             f"tis_cap={tis_cap} and mis={mis} are exclusive (truncated or masked IS): pass one"
         )
-    if mis is not None and not (
-        isinstance(mis, (tuple, list)) and len(mis) == 2 and 0 <= mis[0] < mis[1]
-    ):
+    is_band = isinstance(mis, (tuple, list)) and len(mis) == 2 and 0 <= mis[0] < mis[1]
+    if mis is not None and not is_band:
         raise ValueError(
             f"mis must be a band (lo, hi) of ratios p/q with 0 ≤ lo < hi (hi may be inf), "
             f"got {mis}; use None for no importance weight"
         )
-    for name, ids in (("tokens", tokens), ("head_ids", head_ids)):
-        if ids is None:
-            continue
-        if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
-        if (
-            isinstance(ids, jax.core.Tracer) or not ids.size
-        ):  # values unknown under jit: see _gather
-            continue
-        lo, hi = int(np.asarray(ids).min()), int(np.asarray(ids).max())
-        if lo < 0 or hi >= V:
-            raise ValueError(
-                f"{name} {ids.shape} holds ids in [{lo}, {hi}], outside [0, V) for logits "
-                f"{logits.shape}"
-            )
 
 
-def _gather(
-    logp, ids
-):  # out-of-range ids (only visible under jit) give NaN, never a silent wrap or clamp
+def _gather(logp, ids):
+    """logp at ids along the last axis; an id out of range (seen only under jit) gives NaN, never a
+    silent wrap or clamp."""
     return jnp.take_along_axis(
         logp, ids, -1, mode="fill", fill_value=jnp.nan, wrap_negative_indices=False
     )
+
+
+def _optional_array(x):  # lists and numpy arrays too
+    return None if x is None else jnp.asarray(x)
 
 
 def loss(
@@ -159,76 +159,77 @@ def loss(
 ):
     """Token-mean policy-gradient loss with optional score centering and truncated or masked IS.
 
-    logits [B, T, V] trainer logits at the positions that predicted `tokens` [B, T]; mask [B, T] (True =
-    trained); advantages [B] or [B, T] (a constant); sampler_logprobs [B, T] = log q(tokens);
-    head_ids, head_logprobs [B, T, K]: the sampler's top-k ids and log q (normalised over the full
-    vocabulary), or head_ids=None and head_logprobs [B, T, V] = the full sampler log-softmax (exact).
-    tis_cap C: weight min(p/q, C); mis (lo, hi): weight p/q inside the band, 0 outside (at most one).
-    Returns (loss, metrics). Ids outside [0, V) raise ValueError on concrete inputs and give NaN under jit.
+    logits [B, T, V]: the trainer's logits at the positions that predicted `tokens` [B, T];
+    mask [B, T] (True = trained); advantages [B] or [B, T] (a constant);
+    sampler_logprobs [B, T] = log q(tokens);
+    head_ids, head_logprobs [B, T, k]: the sampler's top-k ids and their log q (normalised over the
+    full vocabulary), or head_ids=None and head_logprobs [B, T, V], the full log q (exact centring);
+    tis_cap C: weight min(p/q, C); mis (lo, hi): weight p/q inside the band, 0 outside (not both).
+    Returns (loss, metrics). Ids outside [0, V) raise ValueError on concrete inputs and give NaN
+    under jit.
     """
-    as_array = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731  (lists and numpy arrays too)
-    logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs = map(
-        as_array, (logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs)
-    )
-    _check(
-        logits,
-        tokens,
-        mask,
-        advantages,
-        sampler_logprobs,
-        head_ids,
-        head_logprobs,
-        center,
-        tis_cap,
-        mis,
-    )
+    logits, tokens, mask = jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(mask)
+    advantages, sampler_logprobs = jnp.asarray(advantages), jnp.asarray(sampler_logprobs)
+    head_ids, head_logprobs = _optional_array(head_ids), _optional_array(head_logprobs)
+    _check_arrays(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs)
+    _check_options(center, tis_cap, mis, head_logprobs)
     f32, sg, mask = jnp.float32, jax.lax.stop_gradient, mask.astype(bool)
-    # inputs at masked tokens may be garbage (NaN, inf): zeroed first, so that no value or gradient sees them
-    keep = lambda x: jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 2)), x, 0)  # noqa: E731
-    logp = jax.nn.log_softmax(keep(logits.astype(f32)), axis=-1)  # [B, T, V]
-    logp_y = _gather(logp, tokens[..., None])[..., 0]  # [B, T]
-    logq_y = sg(keep(sampler_logprobs.astype(f32)))
-    A = sg(advantages.astype(f32))  # a constant
-    A = keep(A[:, None] if A.ndim == 1 else A)
     n = jnp.maximum(mask.sum(), 1).astype(f32)
-    mean = lambda x: jnp.where(mask, x, 0.0).sum() / n  # noqa: E731  (the token mean)
+
+    def trained(x):  # inputs at masked tokens may be garbage (NaN, inf): zeroed before any use
+        return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 2)), x, 0)
+
+    def token_mean(x):  # step 8
+        return jnp.where(mask, x, 0.0).sum() / n
+
+    logp = jax.nn.log_softmax(trained(logits.astype(f32)), axis=-1)  # [B, T, V]
+    logp_y = _gather(logp, tokens[..., None])[..., 0]  # [B, T]
+    logq_y = sg(trained(sampler_logprobs.astype(f32)))
+    A = sg(advantages.astype(f32))  # a constant
+    A = trained(A[:, None] if A.ndim == 1 else A)
 
     log_ratio = sg(logp_y - logq_y)  # log p(y)/q(y)
     p_logp = jnp.where(logp == -jnp.inf, 0.0, jnp.exp(logp) * logp)  # 0 log 0 = 0 (-inf logits)
     entropy = sg(-p_logp.sum(-1))  # [B, T]
     metrics = dict(
-        kl_q_p=mean(-log_ratio), logprob_gap=mean(jnp.abs(log_ratio)), entropy=mean(entropy)
+        kl_q_p=token_mean(-log_ratio),
+        logprob_gap=token_mean(jnp.abs(log_ratio)),
+        entropy=token_mean(entropy),
     )
+
+    def in_band(log_r):  # masked IS: lo ≤ r ≤ hi (step 9)
+        return (log_r >= jnp.log(mis[0])) & (log_r <= jnp.log(mis[1]))
+
     w_y = 1.0
     if tis_cap is not None:
         w_y = jnp.exp(jnp.minimum(log_ratio, jnp.log(tis_cap)))
-        metrics["tis_capped"] = mean((log_ratio >= jnp.log(tis_cap)).astype(f32))
+        metrics["tis_capped"] = token_mean((log_ratio >= jnp.log(tis_cap)).astype(f32))
     if mis is not None:
-        in_band = lambda log_r: (log_r >= jnp.log(mis[0])) & (log_r <= jnp.log(mis[1]))  # noqa: E731
         w_y = jnp.where(in_band(log_ratio), jnp.exp(log_ratio), 0.0)
-        metrics["mis_masked"] = mean((~in_band(log_ratio)).astype(f32))
+        metrics["mis_masked"] = token_mean((~in_band(log_ratio)).astype(f32))
     score = w_y * logp_y  # sg(w_y) log p(y)
 
-    if head_logprobs is not None:
-        logq_H = sg(keep(head_logprobs.astype(f32)))  # [B, T, K]
-        logp_H = logp if head_ids is None else _gather(logp, head_ids)  # [B, T, K]
-        sg_logp_H = sg(logp_H)
-        q_mass, p_mass = jnp.exp(logq_H).sum(-1), jnp.exp(sg_logp_H).sum(-1)  # [B, T]
-        rho = jnp.maximum(1 - q_mass, EPS) / jnp.maximum(1 - p_mass, EPS)  # tail: q̂ = ρ p off H
+    if head_logprobs is not None:  # step 10
+        logq_head = sg(trained(head_logprobs.astype(f32)))  # [B, T, k]
+        logp_head = logp if head_ids is None else _gather(logp, head_ids)  # [B, T, k]
+        sg_logp_head = sg(logp_head)
+        q_mass, p_mass = jnp.exp(logq_head).sum(-1), jnp.exp(sg_logp_head).sum(-1)  # [B, T]
+        rho = jnp.maximum(1 - q_mass, EPS) / jnp.maximum(1 - p_mass, EPS)  # tail: q̂ = ρ p
         if tis_cap is not None:  # m = min(p, Cq), α = min(1, Cρ)
-            m_H = jnp.exp(jnp.minimum(sg_logp_H, jnp.log(tis_cap) + logq_H))
+            m_head = jnp.exp(jnp.minimum(sg_logp_head, jnp.log(tis_cap) + logq_head))
             alpha = jnp.minimum(1.0, tis_cap * rho)
         elif mis is not None:  # m = p 1[band], α = 1[band](1/ρ)
-            m_H = jnp.where(in_band(sg_logp_H - logq_H), jnp.exp(sg_logp_H), 0.0)
+            m_head = jnp.where(in_band(sg_logp_head - logq_head), jnp.exp(sg_logp_head), 0.0)
             alpha = in_band(-jnp.log(rho)).astype(f32)
         else:  # m = q, α = ρ
-            m_H, alpha = jnp.exp(logq_H), rho
-        c_H = m_H - alpha[..., None] * jnp.exp(sg_logp_H)  # [B, T, K], step 10
+            m_head, alpha = jnp.exp(logq_head), rho
+        c_head = m_head - alpha[..., None] * jnp.exp(sg_logp_head)  # [B, T, k]
         metrics.update(
-            head_mass_q=mean(q_mass),
-            head_mass_p=mean(p_mass),
-            correction=mean(jnp.abs(c_H).sum(-1)),
+            head_mass_q=token_mean(q_mass),
+            head_mass_p=token_mean(p_mass),
+            correction=token_mean(jnp.abs(c_head).sum(-1)),
         )
-        if center:  # step 11; −α H(p) has no gradient, it makes the value Σ_v m̂_v log p(v) exactly
-            score = score - (c_H * logp_H).sum(-1) + alpha * entropy
-    return -mean(A * score), metrics
+        if center:  # step 11; the sg(α · entropy) term has no gradient: with it the value is
+            # step 9's with q̂, Σ_v m̂_v log p(v), exactly
+            score = score - (c_head * logp_head).sum(-1) + alpha * entropy
+    return -token_mean(A * score), metrics
