@@ -1,30 +1,63 @@
-"""What never changes a number the run computes (skip it on a first read of train.py): flags and their checks,
-logs and metrics.jsonl, run.json, the resumable state, Ctrl-C, GSM8K's files, tables, figures, the verdict."""
+"""What never changes a number the run computes (skip it on a first read of train.py): joining
+several processes, the flags and their checks, run.json, logs and metrics.jsonl, the resumable
+state, Ctrl-C, GSM8K's files, tables, figures and the verdict."""
 
-import argparse, concurrent.futures, contextlib, importlib.util, json, math, os, re, shutil, sys, threading
+import argparse
+import concurrent.futures
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import threading
 import urllib.request
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-import qwen3
+import hf_checkpoint
 
-# ---------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
+# processes
+
+
+def join_processes(env=os.environ):
+    """One of JAX_NUM_PROCESSES processes (hosts): JAX_PROCESS_ID is its rank,
+    JAX_COORDINATOR_ADDRESS the host:port of process 0. Process 0 prints and writes; every process
+    reads (--resume: a shared folder)."""
+    n = int(env.get("JAX_NUM_PROCESSES", 1))
+    if n > 1 and not jax.distributed.is_initialized():
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices: the tests
+        jax.distributed.initialize(num_processes=n, process_id=int(env["JAX_PROCESS_ID"]))
+    if jax.process_index():
+        sys.stdout = open(os.devnull, "w")
+
+
+# -------------------------------------------------------------------------------------------------
 # flags: every mistake is named in one line before any download, compile or training
 
 
+def flag(key):  # "max_tokens" -> "--max-tokens"
+    return "--" + key.replace("_", "-")
+
+
+def csv(kind):  # "0.5,5" -> (0.5, 5.0)
+    return lambda s: tuple(map(kind, s.split(",")))
+
+
 def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that depend on the task
-    csv = lambda kind: lambda s: tuple(map(kind, s.split(",")))  # noqa: E731  "0.5,5" -> (0.5, 5.0)
+    group = p.add_argument_group("run")
 
     def a(name, help, **kw):  # the help ends with the default: per task, or argparse's
         key = name[2:].replace("-", "_")
         d = ", ".join(f"{t} {r[key]}" for t, r in recipe.items() if key in r) or kw.get("default")
-        group.add_argument(
-            name, help=help + ("" if d is None or d is False else f" (default: {d})"), **kw
-        )
+        shown = "" if d is None or d is False else f" (default: {d})"
+        group.add_argument(name, help=help + shown, **kw)
 
-    group = p.add_argument_group("run")
     a(
         "--task",
         "gsm8k: Qwen3; sequence: a tiny CPU Qwen3; bandit: the toy",
@@ -62,6 +95,7 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
         "print the memory per device this run needs (reads config.json only)",
         action="store_true",
     )
+
     group = p.add_argument_group("RL")
     a("--steps", "optimizer steps", type=int)
     a("--prompts", "prompts per step", type=int)
@@ -99,6 +133,7 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
     )
     a("--lora", "train LoRA adapters of this rank on every projection (default: off)", type=int)
     a("--lora-alpha", "LoRA scale alpha / rank (default: alpha = rank)", type=float)
+
     group = p.add_argument_group("mismatch: how the sampler differs from the float32 trainer")
     a("--sampler", "bf16, or W8A8 fake quantisation", choices=["bf16", "int8", "fp8"])
     a(
@@ -112,6 +147,7 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
         type=float,
     )
     a("--staleness", "refresh the sampler every S+1 steps; S >= steps: frozen", type=int, default=0)
+
     group = p.add_argument_group(
         "evaluation: greedy, clean bf16; the drift meter; bandit: the log cadence"
     )
@@ -130,123 +166,113 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
     a("--arms", "bandit arms", type=int, default=16)
 
 
-def mistakes(
-    args, chosen
-):  # one line per mistake; checks are (is it wrong, what to do), grouped by concern
-    v, where, name = vars(args), args.resume or args.out, lambda k: "--" + k.replace("_", "-")  # noqa: E731
-    B, devices, bandit = args.prompts * args.group, jax.device_count(), args.task == "bandit"
-    ints = "steps prompts group max_tokens eval_every eval_n probe_n arms micro_batch save_every lora".split()
-    numbers = (
-        [(v[k] is not None and v[k] < 1, f"{name(k)} must be >= 1") for k in ints]
-        + [
-            (v[k] is not None and not 0 < v[k] < math.inf, f"{name(k)} must be a finite number > 0")
-            for k in ("lr", "tis_cap", "lora_alpha")
-        ]
-        + [
-            (not 0 <= args.weight_noise < math.inf, "--weight-noise must be a finite number >= 0"),
-            (
-                min(args.topk, args.staleness, args.seed, *args.seeds or []) < 0,
-                "--topk, --staleness, --seed and --seeds must be >= 0",
-            ),
-            (
-                args.seeds and len(set(args.seeds)) < len(args.seeds),
-                f"--seeds {args.seeds} repeats a seed",
-            ),
-            (
-                args.mis and (len(args.mis) != 2 or not 0 <= args.mis[0] < args.mis[1]),
-                f"--mis LO,HI needs 0 <= LO < HI, got {args.mis}",
-            ),
-            (
-                not bandit
-                and min(B, args.micro_batch) > 0
-                and (B % args.micro_batch or args.micro_batch % devices),
-                f"--micro-batch {args.micro_batch} must divide --prompts x --group = {B} and be a multiple of the "
-                f"{devices} devices",
-            ),
-        ]
+def writable(path):  # the nearest existing folder on the way to `path` lets us write
+    p = os.path.abspath(path)
+    if os.path.exists(p):
+        return os.path.isdir(p) and os.access(p, os.W_OK)
+    return writable(os.path.dirname(p))
+
+
+def mistakes(args, chosen):
+    """Every mistake in the flags, one line each: what is wrong and what to do instead."""
+    v, where, bandit, seeds = vars(args), args.resume or args.out, args.task == "bandit", args.seeds
+    B, devices, mb = args.prompts * args.group, jax.device_count(), args.micro_batch  # B = P·G
+    # numbers
+    ints = (
+        "steps prompts group max_tokens eval_every eval_n probe_n arms micro_batch save_every lora"
     )
-    combinations = [
-        (args.compare and args.center, "--compare runs centring off and on: drop --center"),
-        (
-            args.mis and args.tis_cap is not None,
-            "--mis and --tis-cap are two importance weights: pick one",
-        ),
-        (args.baseline == "group" and args.group < 2, "--baseline group needs --group >= 2"),
-        (args.lora_alpha is not None and args.lora is None, "--lora-alpha needs --lora"),
-        (
-            args.seeds and (not args.compare or bandit),
-            "--seeds is for --compare on --task gsm8k or sequence",
-        ),
-        (args.compare and args.save, "--save keeps one policy: drop --compare"),
-        (args.plot and not args.compare, "--plot draws the --compare runs: add --compare"),
-        (
-            args.plan and (bandit or args.compare or args.resume or args.out or args.save),
-            "--plan only prints: drop --compare, --resume, --out and --save (and --task bandit)",
-        ),
-        (
-            bandit
-            and bool(
-                args.save
-                or args.data_dir
-                or args.lora
-                or args.kv_quant
-                or args.save_every
-                or args.resume
-                or "sampler" in chosen
-            ),
-            "--save, --data-dir, --lora, --sampler, --kv-quant, --save-every and --resume are not for --task "
-            "bandit (its mismatch is --weight-noise, and it runs in seconds)",
-        ),
-        (
-            args.task == "sequence" and (args.data_dir or args.model != "Qwen/Qwen3-0.6B"),
-            "--data-dir and --model are for --task gsm8k (the sequence task builds its model from --seed)",
-        ),
+    errors = [f"{flag(k)} must be >= 1" for k in ints.split() if v[k] is not None and v[k] < 1]
+    errors += [
+        f"{flag(k)} must be a finite number > 0"
+        for k in ("lr", "tis_cap", "lora_alpha")
+        if v[k] is not None and not 0 < v[k] < math.inf
     ]
-    paths = [
-        (
-            "" in (args.out, args.save, args.plot, args.resume, args.data_dir, args.model),
-            "an empty --out, --save, --plot, --resume, --data-dir or --model: give a path or drop the flag",
-        ),
-        (
-            args.plot and not importlib.util.find_spec("matplotlib"),
-            "--plot needs matplotlib: pip install matplotlib",
-        ),
-        (
-            args.plot
-            and (os.path.isdir(args.plot) or not writable(os.path.join(args.plot, os.pardir))),
-            f"--plot {args.plot} must be a PNG file name in a writable folder",
-        ),
-        (
-            args.data_dir
-            and not all(os.path.isfile(f"{args.data_dir}/{s}.jsonl") for s in ("train", "test")),
-            f"--data-dir {args.data_dir} must contain train.jsonl and test.jsonl",
-        ),
-        (
-            args.resume and args.out and os.path.abspath(args.out) != os.path.abspath(args.resume),
-            "--resume DIR continues the run in DIR: drop --out or make it the same folder",
-        ),
-        (
-            where and (os.path.isfile(where) or not writable(where)),
-            f"{where} must be a writable folder",
-        ),
-        (
-            args.out and not args.resume and os.path.isdir(args.out) and os.listdir(args.out),
-            f"--out {args.out} is not empty: pick a new folder, or --resume {args.out} to continue its run",
-        ),
-        (
-            args.resume and not os.path.isfile(f"{args.resume}/run.json"),
-            f"--resume {args.resume} holds no run (run.json): pass the --out of a run",
-        ),
-        (
-            args.resume and args.save and os.path.isfile(f"{args.resume}/summary.json"),
-            f"--resume {args.resume}: that run has finished and its state is gone; nothing to --save",
-        ),
-        (
-            args.save and os.path.realpath(args.save) == os.path.realpath(args.model),
-            "--save would overwrite the --model checkpoint: pick another folder",
-        ),
-    ]
-    return [msg for bad, msg in numbers + combinations + paths if bad]
+    if not 0 <= args.weight_noise < math.inf:
+        errors.append("--weight-noise must be a finite number >= 0")
+    if min(args.topk, args.staleness, args.seed, *seeds or []) < 0:
+        errors.append("--topk, --staleness, --seed and --seeds must be >= 0")
+    if seeds and len(set(seeds)) < len(seeds):
+        errors.append(f"--seeds {seeds} repeats a seed")
+    if args.mis and (len(args.mis) != 2 or not 0 <= args.mis[0] < args.mis[1]):
+        errors.append(f"--mis LO,HI needs 0 <= LO < HI, got {args.mis}")
+    if not bandit and min(B, mb) > 0 and (B % mb or mb % devices):
+        errors.append(
+            f"--micro-batch {mb} must divide --prompts x --group = {B} and be a multiple of the "
+            f"{devices} devices"
+        )
+    # combinations
+    if args.compare and args.center:
+        errors.append("--compare runs centring off and on: drop --center")
+    if args.mis and args.tis_cap is not None:
+        errors.append("--mis and --tis-cap are two importance weights: pick one")
+    if args.baseline == "group" and args.group < 2:
+        errors.append("--baseline group needs --group >= 2")
+    if args.lora_alpha is not None and args.lora is None:
+        errors.append("--lora-alpha needs --lora")
+    if seeds and (not args.compare or bandit):
+        errors.append("--seeds is for --compare on --task gsm8k or sequence")
+    if args.compare and args.save:
+        errors.append("--save keeps one policy: drop --compare")
+    if args.plot and not args.compare:
+        errors.append("--plot draws the --compare runs: add --compare")
+    if args.plan and (bandit or args.compare or args.resume or args.out or args.save):
+        errors.append(
+            "--plan only prints: drop --compare, --resume, --out and --save (and --task bandit)"
+        )
+    models_only = [args.save, args.data_dir, args.lora, args.kv_quant, args.save_every, args.resume]
+    if bandit and (any(models_only) or "sampler" in chosen):
+        errors.append(
+            "--save, --data-dir, --lora, --sampler, --kv-quant, --save-every and --resume are not "
+            "for --task bandit (its mismatch is --weight-noise, and it runs in seconds)"
+        )
+    if args.task == "sequence" and (args.data_dir or args.model != "Qwen/Qwen3-0.6B"):
+        errors.append(
+            "--data-dir and --model are for --task gsm8k (the sequence task builds its model from "
+            "--seed)"
+        )
+    # paths
+    if "" in (args.out, args.save, args.plot, args.resume, args.data_dir, args.model):
+        errors.append(
+            "an empty --out, --save, --plot, --resume, --data-dir or --model: give a path or drop "
+            "the flag"
+        )
+    if args.plot and not importlib.util.find_spec("matplotlib"):
+        errors.append("--plot needs matplotlib: pip install matplotlib")
+    if args.plot and (os.path.isdir(args.plot) or not writable(os.path.join(args.plot, os.pardir))):
+        errors.append(f"--plot {args.plot} must be a PNG file name in a writable folder")
+    data = [f"{args.data_dir}/{split}.jsonl" for split in ("train", "test")]
+    if args.data_dir and not all(os.path.isfile(f) for f in data):
+        errors.append(f"--data-dir {args.data_dir} must contain train.jsonl and test.jsonl")
+    if args.resume and args.out and os.path.abspath(args.out) != os.path.abspath(args.resume):
+        errors.append(
+            "--resume DIR continues the run in DIR: drop --out or make it the same folder"
+        )
+    if where and (os.path.isfile(where) or not writable(where)):
+        errors.append(f"{where} must be a writable folder")
+    if args.out and not args.resume and os.path.isdir(args.out) and os.listdir(args.out):
+        errors.append(
+            f"--out {args.out} is not empty: pick a new folder, or --resume {args.out} to continue "
+            "its run"
+        )
+    if args.resume and not os.path.isfile(f"{args.resume}/run.json"):
+        errors.append(f"--resume {args.resume} holds no run (run.json): pass the --out of a run")
+    if args.resume and args.save and os.path.isfile(f"{args.resume}/summary.json"):
+        errors.append(
+            f"--resume {args.resume}: that run has finished and its state is gone; nothing to "
+            "--save"
+        )
+    if args.save and os.path.realpath(args.save) == os.path.realpath(args.model):
+        errors.append("--save would overwrite the --model checkpoint: pick another folder")
+    if args.save:  # a file, an unwritable folder, or a folder with another checkpoint
+        try:
+            hf_checkpoint.check_save_dir(args.save)
+        except ValueError as e:
+            errors.append(f"--save {e}")
+    return errors
+
+
+def run_config(args):  # the flags a resumed run starts from and must share (all but --save-every)
+    return {k: v for k, v in vars(args).items() if k not in ("out", "resume", "save", "plot")}
 
 
 def parse_args(argv, recipe, description):
@@ -254,81 +280,58 @@ def parse_args(argv, recipe, description):
     p = argparse.ArgumentParser(description=description)
     declare(p, recipe)
     args = p.parse_args(argv)
-    if args.resume and os.path.isfile(
-        f"{args.resume}/run.json"
-    ):  # the run's own flags are the defaults
-        p.set_defaults(**json.load(open(f"{args.resume}/run.json")))
+    run_json = f"{args.resume}/run.json"
+    was = json.load(open(run_json)) if args.resume and os.path.isfile(run_json) else None
+    if was is not None:  # the run's own flags are the defaults
+        p.set_defaults(**was)
         args = p.parse_args(argv)
-    chosen = {
-        k for k in recipe[args.task] if getattr(args, k) is not None
-    }  # the rest: the task's defaults
+    chosen = {k for k in recipe[args.task] if getattr(args, k) is not None}
     vars(args).update({k: d for k, d in recipe[args.task].items() if k not in chosen})
-    B, devices = args.prompts * args.group, jax.device_count()
-    divisors = [d for d in range(devices, min(B, 16) + 1, devices) if B % d == 0]
-    args.micro_batch = (
-        (divisors or [max(B, 1)])[-1] if args.micro_batch is None else args.micro_batch
-    )
+    if args.micro_batch is None:  # the largest divisor of B = P·G, <= 16, a multiple of the devices
+        B, devices = args.prompts * args.group, jax.device_count()
+        divisors = [d for d in range(devices, min(B, 16) + 1, devices) if B % d == 0]
+        args.micro_batch = (divisors or [max(B, 1)])[-1]
     args.lora_alpha = args.lora if args.lora_alpha is None else args.lora_alpha
     errors = mistakes(args, chosen)
-    try:
-        qwen3.check_save_dir(args.save) if args.save else None
-    except ValueError as e:
-        errors.append(f"--save {e}")
-    if args.resume and not errors:
-        was, now = (
-            json.load(open(f"{args.resume}/run.json")),
-            json.loads(json.dumps(run_config(args))),
-        )
-        errors += [
-            f"--resume {args.resume} was started with --{k.replace('_', '-')} {was.get(k)}, not {v}: "
-            "use the same flags"
-            for k, v in now.items()
-            if was.get(k) != v and k != "save_every"
-        ][:1]
+    if args.resume and not errors:  # run.json is there: the first flag that differs from it
+        now = json.loads(json.dumps(run_config(args)))  # as run.json holds it: tuples are lists
+        changed = [k for k, v in now.items() if was.get(k) != v and k != "save_every"]
+        if changed:
+            k = changed[0]
+            errors.append(
+                f"--resume {args.resume} was started with {flag(k)} {was.get(k)}, not {now[k]}: "
+                "use the same flags"
+            )
     if errors:
         p.error("; ".join(errors))
     args.out = args.resume or args.out
     return args
 
 
-def writable(path):  # the nearest existing folder on the way to `path` lets us write
-    p = os.path.abspath(path)
-    return (
-        os.path.isdir(p) and os.access(p, os.W_OK)
-        if os.path.exists(p)
-        else writable(os.path.dirname(p))
-    )
+# -------------------------------------------------------------------------------------------------
+# the run's files: run.json, logs and metrics.jsonl, the resumable state; Ctrl-C
+
+LOCK = threading.Lock()  # held while a file is written: Ctrl-C waits for it
+PROGRESS = {}  # where the run is, for Ctrl-C's message
 
 
-def run_config(args):  # the flags a resumed run starts from and must share (all but --save-every)
-    return {k: v for k, v in vars(args).items() if k not in ("out", "resume", "save", "plot")}
-
-
-def join_processes(env=os.environ):
-    """One of JAX_NUM_PROCESSES processes (hosts): JAX_PROCESS_ID is its rank, JAX_COORDINATOR_ADDRESS the
-    host:port of process 0. Process 0 prints and writes; every process reads (--resume: a shared folder)."""
-    if (n := int(env.get("JAX_NUM_PROCESSES", 1))) > 1 and not jax.distributed.is_initialized():
-        jax.config.update(
-            "jax_cpu_collectives_implementation", "gloo"
-        )  # for CPU devices (the tests)
-        jax.distributed.initialize(num_processes=n, process_id=int(env["JAX_PROCESS_ID"]))
-    if jax.process_index():
-        sys.stdout = open(os.devnull, "w")
+def atomic(file, write, mode="w"):  # write(f) to a temporary name, then rename: old file or new
+    if jax.process_index():  # process 0 writes
+        return
+    with LOCK:
+        with open(file + ".tmp", mode) as f:
+            write(f)
+        os.replace(file + ".tmp", file)
 
 
 def start(args):  # the run's folder and run.json (not rewritten by a resume), and the config line
     if jax.process_count() > 1:  # every process has checked the flags before process 0 makes --out
         multihost_utils.sync_global_devices("flags checked")
-    if args.out and not args.resume:  # a resumed run's folder exists, with its run.json
+    if args.out and not args.resume:
         os.makedirs(args.out, exist_ok=True)
-        atomic(
-            os.path.join(args.out, "run.json"), lambda f: json.dump(run_config(args), f, indent=1)
-        )
+        atomic(f"{args.out}/run.json", lambda f: json.dump(run_config(args), f, indent=1))
     print("config " + json.dumps(vars(args)), flush=True)
 
-
-# ---------------------------------------------------------------------------------------------------------
-# logs and metrics.jsonl, the resumable state, Ctrl-C, the checkpoint's tokenizer files, GSM8K's files
 
 COLUMNS = dict(
     reward="{:6.3f}",
@@ -341,10 +344,16 @@ COLUMNS = dict(
     length="{:6.1f}",
     seconds="{:6.1f}",
 )
-LOCK, PROGRESS = threading.Lock(), {}  # held while a file is written; where the run is (for Ctrl-C)
 
 
-def log_step(row, steps, columns, out=None):
+def append_rows(out, rows):  # to out/metrics.jsonl; no out (or not process 0), no file
+    if not out or jax.process_index():
+        return
+    with LOCK, open(f"{out}/metrics.jsonl", "a") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+def log_step(row, steps, columns, out=None):  # "step 12/100 | reward  0.410 | ...", and the row
     cells = [
         f"{k} " + (COLUMNS[k].format(row[k]) if k in row else "-" * len(COLUMNS[k].format(0)))
         for k in columns
@@ -353,72 +362,32 @@ def log_step(row, steps, columns, out=None):
     append_rows(out, [row])
 
 
-def append_rows(out, rows):  # to out/metrics.jsonl; no out (or not process 0), no file
-    with (
-        LOCK,
-        open(f"{out}/metrics.jsonl" if out and not jax.process_index() else os.devnull, "a") as f,
-    ):
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-
-
-def atomic(
-    file, write, mode="w"
-):  # write(f) to a temporary name, then rename: old file or new, never half
-    with LOCK:
-        if jax.process_index():  # process 0 writes
-            return
-        with open(file + ".tmp", mode) as f:
-            write(f)
-        os.replace(file + ".tmp", file)
-
-
 def write_summary(out, summary):
     print("summary " + json.dumps(summary))
-    atomic(
-        os.path.join(out, "summary.json"), lambda f: json.dump(summary, f, indent=1)
-    ) if out else None
+    if out:
+        atomic(os.path.join(out, "summary.json"), lambda f: json.dump(summary, f, indent=1))
     return summary
 
 
 def finished(out):  # the summary of a run that has ended (a --resume of it), else None
-    return (
-        json.load(open(f))
-        if out and os.path.exists(f := os.path.join(out, "summary.json"))
-        else None
-    )
+    if out and os.path.exists(os.path.join(out, "summary.json")):
+        return json.load(open(os.path.join(out, "summary.json")))
 
 
-def finish(
-    out, hist, steps
-):  # summary.json: drift and score per evaluation, peak, final, drop, mismatch
+def finish(out, hist, steps):  # summary.json: drift and score per evaluation, peak, final, drop
     final, acc, drift = str(steps), hist["acc"], hist["drift"]
-    summary = dict(
-        drift=drift,
-        final_drift=drift[final],
-        mean_kl_q_p=float(np.mean(hist["kl_q_p"])),
-        reward=float(np.mean(hist["reward"][-5:])),
-    )  # the last 5 steps' mean training reward
-    summary |= (
-        dict(
-            eval_acc=acc,
-            peak_acc=max(acc.values()),
-            final_acc=acc[final],
-            drop=max(acc.values()) - acc[final],
-        )
-        if acc
-        else {}
-    )
+    kl, reward = float(np.mean(hist["kl_q_p"])), float(np.mean(hist["reward"][-5:]))  # last 5 steps
+    summary = dict(drift=drift, final_drift=drift[final], mean_kl_q_p=kl, reward=reward)
+    if acc:
+        peak = max(acc.values())
+        summary |= dict(eval_acc=acc, peak_acc=peak, final_acc=acc[final], drop=peak - acc[final])
     write_summary(out, summary)
-    if (
-        out and os.path.exists(os.path.join(out, "state.npz")) and not jax.process_index()
-    ):  # it can go
-        os.remove(os.path.join(out, "state.npz"))
+    if out and os.path.exists(os.path.join(out, "state.npz")) and not jax.process_index():
+        os.remove(os.path.join(out, "state.npz"))  # the run has ended: its state can go
     return summary
 
 
-def save_state(
-    file, hist, *trees
-):  # float32 leaves (bf16 ones widened exactly), then an atomic rename
+def save_state(file, hist, *trees):  # float32 leaves (bf16 widened exactly), then an atomic rename
     leaves = {
         f"a{i}": np.asarray(x, np.float32 if x.dtype == jax.numpy.bfloat16 else x.dtype)
         for i, x in enumerate(jax.tree.leaves(trees))
@@ -427,83 +396,66 @@ def save_state(
 
 
 def resume(out, hist, *trees):  # hist and trees from out's state, if any; metrics.jsonl cut there
-    if out and os.path.exists(file := os.path.join(out, "state.npz")):
-        with np.load(
-            file
-        ) as z:  # the trees as saved, shaped, typed and placed like the templates `trees`
+    if not out:
+        return hist, trees
+    file = os.path.join(out, "state.npz")
+    if os.path.exists(file):
+        with np.load(file) as z:
             leaves, tree = jax.tree.flatten(trees)
             if [z[f"a{i}"].shape for i in range(len(z.files) - 1)] != [x.shape for x in leaves]:
                 raise ValueError(
                     f"{file} does not match this run (model, --lora, --optimizer, --staleness)"
                 )
-            hist, trees = (
-                json.loads(str(z["hist"])),
-                tree.unflatten(
-                    [
-                        jax.device_put(z[f"a{i}"].astype(x.dtype), x.sharding)
-                        for i, x in enumerate(leaves)
-                    ]
-                ),
-            )
+            hist = json.loads(str(z["hist"]))
+            leaves = [
+                jax.device_put(z[f"a{i}"].astype(x.dtype), x.sharding) for i, x in enumerate(leaves)
+            ]
+            trees = tree.unflatten(leaves)  # typed and placed like the templates `trees`
         print(f"resumed {out} at step {hist['step']}", flush=True)
-    if out:  # rows past the saved state, or cut by a kill mid-write, are the interrupted run's: logged again
-        rows = open(os.path.join(out, "metrics.jsonl")).readlines() if hist["step"] else []
-        rows = [r for r in rows if r.endswith("\n") and json.loads(r)["step"] < hist["step"]]
-        atomic(os.path.join(out, "metrics.jsonl"), lambda f: f.writelines(rows))
+    # rows past the saved state, or cut by a kill mid-write, are the interrupted run's: logged again
+    rows = open(os.path.join(out, "metrics.jsonl")).readlines() if hist["step"] else []
+    rows = [r for r in rows if r.endswith("\n") and json.loads(r)["step"] < hist["step"]]
+    atomic(os.path.join(out, "metrics.jsonl"), lambda f: f.writelines(rows))
     return hist, trees
 
 
 def at_step(step, out, run_dir, saved):  # for Ctrl-C: where the run is, and how to continue it
-    how = (
-        f"; python train.py --resume {run_dir} continues from its state at step {saved}"
-        if saved
-        else ""
-    )
-    PROGRESS["where"] = f"at step {step} of {out or 'a run without --out'}{how}"
+    how = f"; python train.py --resume {run_dir} continues from its state at step {saved}"
+    PROGRESS["where"] = f"at step {step} of {out or 'a run without --out'}{how if saved else ''}"
 
 
-def interruptible(
-    work,
-):  # work() in a thread, so that Ctrl-C is honoured at once, even inside an XLA call
+def interruptible(work):  # work() in a thread, so that Ctrl-C is honoured at once, even inside XLA
     try:
         return concurrent.futures.ThreadPoolExecutor(1).submit(work).result()
     except KeyboardInterrupt:
         with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C: stop waiting
-            LOCK.acquire(
-                timeout=60
-            )  # a file being written is finished first: metrics.jsonl stays valid
+            LOCK.acquire(timeout=60)  # a file being written is finished first: it stays valid
         print(f"\ninterrupted {PROGRESS.get('where', 'before the first step')}", flush=True)
         os._exit(130)
 
 
-def save_checkpoint(
-    path, cfg, weights, tokenizer_dir
-):  # qwen3.save, then the tokenizer files beside it
-    qwen3.save(path, cfg, weights)
-    for f in os.listdir(tokenizer_dir) if tokenizer_dir else []:
-        if f.endswith((".json", ".txt")) and f not in (
-            "config.json",
-            "model.safetensors.index.json",
-        ):
-            shutil.copy(os.path.join(tokenizer_dir, f), path)
+# -------------------------------------------------------------------------------------------------
+# GSM8K's files
 
 
 def read_gsm8k(data_dir, split, normalise):
-    """[(question, normalise(gold))] of a split, downloaded once (with progress) when there is no data_dir."""
+    """[(question, normalise(gold))] of a split; without data_dir, downloaded once and cached."""
     cache = os.path.expanduser("~/.cache/score-centering")
     path = os.path.join(data_dir or os.path.join(cache, "gsm8k"), f"{split}.jsonl")
     if not os.path.exists(path):
         fresh = not os.path.exists(cache)
         url = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/"
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        progress = lambda n, size, total: print(  # noqa: E731
-            f"\rdownloading GSM8K {split}: {min(n * size, total) / 1e6:.1f} / {total / 1e6:.1f} MB",
-            end="",
-        )
+
+        def progress(n, size, total):
+            done, total = min(n * size, total) / 1e6, total / 1e6
+            print(f"\rdownloading GSM8K {split}: {done:.1f} / {total:.1f} MB", end="")
+
         try:
             urllib.request.urlretrieve(url + f"{split}.jsonl", path + ".part", progress)
         except OSError as e:
-            shutil.rmtree(cache) if fresh else None  # no empty cache folder left behind
+            if fresh:  # no empty cache folder left behind
+                shutil.rmtree(cache)
             raise ValueError(
                 f"GSM8K could not be downloaded from GitHub ({getattr(e, 'reason', e)}): pass "
                 "--data-dir with train.jsonl and test.jsonl"
@@ -512,14 +464,13 @@ def read_gsm8k(data_dir, split, normalise):
         print()
     problems = []
     for n, line in enumerate(open(path, "rb").read().split(b"\n"), 1):
+        if not line.strip():  # blank lines (a trailing one, say) are not problems
+            continue
         try:
-            if line.strip():  # blank lines (a trailing one, say) are not problems
-                row = json.loads(line.decode("utf-8"))
-                gold = normalise(row["answer"].split("####")[1])
-                assert re.fullmatch(r"-?\d+(\.\d+)?", gold), (
-                    f"the gold answer {gold!r} is not a number"
-                )
-                problems.append((row["question"], gold))
+            row = json.loads(line.decode("utf-8"))
+            gold = normalise(row["answer"].split("####")[1])
+            assert re.fullmatch(r"-?\d+(\.\d+)?", gold), f"the gold answer {gold!r} is not a number"
+            problems.append((row["question"], gold))
         except (ValueError, KeyError, IndexError, TypeError, AttributeError, AssertionError) as e:
             raise ValueError(
                 f"{path}:{n}: not a GSM8K line with a 'question' and an 'answer' ending in "
@@ -532,28 +483,24 @@ def read_gsm8k(data_dir, split, normalise):
     return problems
 
 
-# ---------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # tables, figures and the verdict
 
 
-def table(
-    first, rows, columns
-):  # {name: {column: value}} -> a fixed-width table; columns: {column: format}
+def table(first, rows, columns):  # {name: {column: value}} -> a fixed-width table; {column: format}
     width = {c: max(len(c), len(f.format(0))) for c, f in columns.items()}
     print(f"{first:22s} " + " ".join(f"{c:>{width[c]}}" for c in columns))
     for name, r in rows.items():
-        print(
-            f"{name:22s} " + " ".join(f"{f.format(r[c]):>{width[c]}}" for c, f in columns.items())
-        )
+        cells = [f"{f.format(r[c]):>{width[c]}}" for c, f in columns.items()]
+        print(f"{name:22s} " + " ".join(cells))
 
 
-def plot(
-    file, panels
-):  # panels: [(title, y label, {label: (x, y, matplotlib style)})], side by side
+def plot(file, panels):  # panels: [(title, y label, {label: (x, y, matplotlib style)})], in a row
     from matplotlib.figure import Figure  # no pyplot: no window, no global state
 
     fig = Figure(figsize=(5.5 * len(panels), 3.3), dpi=100, layout="tight")
-    for ax, (title, ylabel, curves) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (title, ylabel, curves) in zip(axes, panels, strict=True):
         for label, (x, y, style) in curves.items():
             ax.plot(x, y, style, label=label, lw=0.8 if style.endswith(":") else 1.5)
         ax.set(xlabel="step", ylabel=ylabel, title=title)
@@ -563,13 +510,12 @@ def plot(
         fig.savefig(file)
 
 
-def verdict(
-    runs, score="accuracy"
-):  # runs [{"uncentered": summary, "centered": summary}] over seeds
-    mean = lambda arm, k: 100 * float(np.mean([r[arm][k] for r in runs]))  # noqa: E731  (in points)
-    (du, dc), (fu, fc) = (
-        [mean(arm, k) for arm in ("uncentered", "centered")] for k in ("drop", "final_acc")
-    )
+def verdict(runs, score="accuracy"):  # runs: [{"uncentered": summary, "centered": summary}], seeds
+    def mean(arm, k):  # over the seeds, in points
+        return 100 * float(np.mean([r[arm][k] for r in runs]))
+
+    du, dc = mean("uncentered", "drop"), mean("centered", "drop")
+    fu, fc = mean("uncentered", "final_acc"), mean("centered", "final_acc")
     facts = (
         f"drop {dc:.1f} points centred vs {du:.1f} uncentred, final {score} {fc:.1f} vs {fu:.1f} "
         f"(means over {len(runs)} seed{'s' * (len(runs) > 1)})"
@@ -579,22 +525,19 @@ def verdict(
     if abs(du - dc) < 3:
         return "verdict: WITHIN SEED NOISE (drops differ by < 3 points): " + facts
     return (
-        "verdict: centring NOT validated (needs a drop <= 2 points, >= 3 smaller than uncentred, and a "
-        f"final {score} at most 1.5 below): " + facts
+        "verdict: centring NOT validated (needs a drop <= 2 points, >= 3 smaller than uncentred, "
+        f"and a final {score} at most 1.5 below): " + facts
     )
 
 
-def report(
-    args, cfg, res
-):  # --compare: the table, the verdict, the figure; res {arm: summary}, off/on pairs
+def report(args, cfg, res):  # --compare: table, verdict, figure; res {run: summary}, off/on pairs
     print(
-        "\n{}-layer Qwen3, --sampler {sampler}, --kv-quant {kv_quant}, --weight-noise {weight_noise}, "
-        "--staleness {staleness}, {steps} steps, lr {lr}".format(
-            cfg["num_hidden_layers"], **vars(args)
-        )
+        f"\n{cfg['num_hidden_layers']}-layer Qwen3, --sampler {args.sampler}, "
+        f"--kv-quant {args.kv_quant}, --weight-noise {args.weight_noise}, "
+        f"--staleness {args.staleness}, {args.steps} steps, lr {args.lr}"
     )
     runs = list(res.values())  # uncentred, centred, seed by seed
-    by_seed = [dict(uncentered=u, centered=c) for u, c in zip(runs[::2], runs[1::2])]
+    by_seed = [dict(uncentered=u, centered=c) for u, c in zip(runs[::2], runs[1::2], strict=True)]
     columns = dict(
         peak_acc="{:.3f}",
         final_acc="{:.3f}",
@@ -602,73 +545,56 @@ def report(
         final_drift="{:.2e}",
         mean_kl_q_p="{:+.2e}",
     )
-    table(
-        "run",
-        res
-        | {
-            f"mean {arm}": {k: np.mean([r[arm][k] for r in by_seed]) for k in columns}
-            for arm in ("uncentered", "centered")
-        },
-        columns,
-    )
+    means = {
+        f"mean {arm}": {k: np.mean([r[arm][k] for r in by_seed]) for k in columns}
+        for arm in ("uncentered", "centered")
+    }
+    table("run", res | means, columns)
     score, name = (
         ("accuracy", "GSM8K") if args.task == "gsm8k" else ("held-out score", "sequence task")
     )
     summary = dict(res, verdict=verdict(by_seed, score))
     print(summary["verdict"])
     if args.plot and not jax.process_index():
-        style = {
-            k: "rb"[i % 2] + ("-", "--", "-.", ":")[i // 2 % 4] for i, k in enumerate(res)
-        }  # off, on
-        curves = lambda key: {
-            k: (list(map(int, r[key])), list(r[key].values()), style[k])  # noqa: E731
-            for k, r in res.items()
-        }
-        plot(
-            args.plot,
-            [
-                (name, f"greedy {score}", curves("eval_acc")),
-                (name, "drift  KL(p_0 || p_t) on the probe", curves("drift")),
-            ],
-        )
+        # off red, on blue; a dash per seed
+        style = {k: "rb"[i % 2] + ("-", "--", "-.", ":")[i // 2 % 4] for i, k in enumerate(res)}
+
+        def curves(key):
+            return {
+                k: (list(map(int, r[key])), list(r[key].values()), style[k]) for k, r in res.items()
+            }
+
+        panels = [(name, f"greedy {score}", curves("eval_acc"))]
+        panels.append((name, "drift  KL(p_0 || p_t) on the probe", curves("drift")))
+        plot(args.plot, panels)
     return write_summary(args.out, summary)
 
 
 def report_bandit(args, runs):  # runs {(sampler, centred): bandit result}
     print(
-        f"\n{args.arms} arms, sampler logit offset std {args.weight_noise}, baseline {args.baseline}, "
-        f"{args.steps} steps, lr {args.lr}, seed {args.seed}; gap TV(q, p) {runs['online', 0]['gap']:.3f}"
+        f"\n{args.arms} arms, sampler logit offset std {args.weight_noise}, "
+        f"baseline {args.baseline}, {args.steps} steps, lr {args.lr}, seed {args.seed}; "
+        f"gap TV(q, p) {runs['online', 0]['gap']:.3f}"
     )
-    table(
-        "sampler centring",
-        {f"{s} {'on' if c else 'off'}": r for (s, c), r in runs.items()},
-        {"drift": "{:.3f}", "reward": "{:.3f}"},
-    )
-    append_rows(
-        args.out,
-        [
-            dict(sampler=s, center=bool(c), step=i + 1, drift=d)
-            for (s, c), r in runs.items()
-            for i, d in enumerate(r["curve"])
-        ],
-    )
+    rows = {f"{s} {'on' if c else 'off'}": r for (s, c), r in runs.items()}
+    table("sampler centring", rows, {"drift": "{:.3f}", "reward": "{:.3f}"})
+    drifts = [
+        dict(sampler=s, center=bool(c), step=i + 1, drift=d)
+        for (s, c), r in runs.items()
+        for i, d in enumerate(r["curve"])
+    ]
+    append_rows(args.out, drifts)
     if args.plot:
         x = np.arange(1, args.steps + 1)
-        curves = {
-            f"{s} sampler, centring {'on' if c else 'off'}": (
-                x,
-                runs[s, c]["curve"],
-                "rb"[c] + line,
-            )
-            for s, line in (("online", "-"), ("frozen", "--"))
-            for c in (0, 1)
-        }
+        curves = {}
+        for s, line in (("online", "-"), ("frozen", "--")):
+            for c in (0, 1):  # off red, on blue
+                label = f"{s} sampler, centring {'on' if c else 'off'}"
+                curves[label] = (x, runs[s, c]["curve"], "rb"[c] + line)
         curves["sampler gap at start"] = (x[[0, -1]], [runs["online", 0]["gap"]] * 2, "k:")
         plot(args.plot, [("Toy bandit, raw rewards", "drift  TV(p_t, p_0)", curves)])
-    return write_summary(
-        args.out,
-        {
-            f"{s}_{'centered' if c else 'uncentered'}": {k: v for k, v in r.items() if k != "curve"}
-            for (s, c), r in runs.items()
-        },
-    )
+    summary = {
+        f"{s}_{'centered' if c else 'uncentered'}": {k: v for k, v in r.items() if k != "curve"}
+        for (s, c), r in runs.items()
+    }
+    return write_summary(args.out, summary)

@@ -1,0 +1,298 @@
+"""Hugging Face checkpoints for qwen3.py: config.json checks, safetensors read with numpy (one file
+or sharded) and written in bfloat16, the hub fetch, and the tokenizer through tiktoken.
+L layers (a layer weight is stacked along a leading L axis, as qwen3.forward takes it), V vocab."""
+
+import collections
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import unicodedata
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import tiktoken
+
+import qwen3
+
+Model = collections.namedtuple("Model", "cfg weights tokenizer path")  # tokenizer: None if no files
+Tokenizer = collections.namedtuple("Tokenizer", "encode decode chat eos_ids pad_id")
+DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32}  # the ones we read
+SAVED_BY = {"format": "pt", "saved_by": "score-centering"}  # save()'s mark, in __metadata__
+
+
+# ---- config.json and safetensors headers
+def read_json(file, default=None):  # default: what a missing file reads as (None: it must exist)
+    if default is not None and not os.path.exists(file):
+        return default
+    try:
+        return json.loads(Path(file).read_bytes())
+    except ValueError as e:  # truncated, hand-edited or not utf-8
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+
+
+def read_header(file):
+    """A safetensors file's tensors, {name: (file, dtype, shape, first byte, end byte, file size)},
+    and its __metadata__. The file: 8 bytes of header length n, n bytes of JSON, the tensors."""
+    with open(file, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        size = os.fstat(fh.fileno()).st_size
+        raw = fh.read(n) if 8 + n <= size else b""
+    try:
+        header = json.loads(raw)
+        tensors = {}
+        for name, entry in header.items():
+            if name != "__metadata__":
+                start, end = entry["data_offsets"]  # counted from the end of the header
+                shape = tuple(entry["shape"])
+                tensors[name] = (file, entry["dtype"], shape, 8 + n + start, 8 + n + end, size)
+        return tensors, header.get("__metadata__")
+    except (ValueError, TypeError, LookupError, AttributeError):
+        raise ValueError(
+            f"{file}: truncated, or its {n}-byte header is not safetensors JSON"
+        ) from None
+
+
+UNSUPPORTED = [
+    "num_experts",
+    "num_local_experts",
+    "moe_intermediate_size",
+    "attention_bias",
+    "use_sliding_window",
+    "rope_scaling",
+]
+REQUIRED = [
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+]
+
+
+def check_config(cfg, file):
+    """Refuses all but dense Qwen3. Recent transformers put rope_theta in rope_parameters."""
+    c = {"rope_type": "default", **(cfg.get("rope_parameters") or {}), **cfg}
+    bad = [k for k, ok in (("model_type", "qwen3"), ("rope_type", "default")) if c.get(k) != ok]
+    bad += [k for k in UNSUPPORTED if c.get(k)]
+    errors = [f"{k} = {c.get(k)!r}" for k in bad]
+    errors += [f"{k} is missing" for k in REQUIRED if k not in c]
+    if errors:
+        raise ValueError(
+            f"{file}: {'; '.join(errors)}: only dense Qwen3 (model_type 'qwen3') is supported"
+        )
+
+
+def fetch(repo, files):
+    """Downloads files of a repo from the hub into its cache; returns the snapshot's directory."""
+    try:
+        hub = importlib.import_module("huggingface_hub")  # optional: only a repo id needs it
+        return hub.snapshot_download(repo, allow_patterns=files)
+    except Exception as e:  # offline, no such repo, gated...: many types, we raise one
+        raise ValueError(
+            f"{repo} could not be downloaded from the Hugging Face hub ({e!r:.150}): pass a "
+            "local checkpoint directory with --model"
+        ) from None
+
+
+def config(path, files=("config.json",)):
+    """(config.json, the checkpoint's local directory). path: a local directory, or a repo id
+    owner/name on the hub: its config.json is fetched and checked first, then `files`."""
+    path = str(path)
+    if not os.path.isdir(path):
+        repo_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", path) and not os.path.exists(path)
+        if not repo_id or importlib.util.find_spec("huggingface_hub") is None:
+            raise FileNotFoundError(
+                f"{path} is not a directory: pass a checkpoint directory, or a repo id "
+                "owner/name (this needs pip install huggingface_hub)"
+            )
+        fetched = fetch(path, ["config.json"])
+        check_config(read_json(f"{fetched}/config.json"), f"{path}/config.json")
+        path = fetch(path, list(files))
+    cfg = read_json(f"{path}/config.json")
+    check_config(cfg, f"{path}/config.json")
+    return cfg, path
+
+
+# ---- the tokenizer: byte-level BPE, through tiktoken
+# Qwen3's chat template for one user turn, thinking off
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+# the pre-tokenizer's split regex of Qwen2 and Qwen3, unless tokenizer.json gives one
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def gpt2_bytes():  # GPT-2's bytes_to_unicode, {character: byte}: vocab.json spells bytes this way
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # their own character
+    others = [b for b in range(256) if b not in printable]  # the characters 256, 257, ...
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+def load_tokenizer(path, cfg):
+    """The tokenizer of a checkpoint directory, or None if it has none: byte-level BPE from
+    vocab.json (or tokenizer.json), whose ranks are the ids."""
+    tokenizer_json = read_json(f"{path}/tokenizer.json", {})
+    tokenizer_config = read_json(f"{path}/tokenizer_config.json", {})
+    generation_config = read_json(f"{path}/generation_config.json", {})
+    vocab = read_json(f"{path}/vocab.json", {}) or tokenizer_json.get("model", {}).get("vocab")
+    if not vocab:
+        return None
+    added = tokenizer_config.get("added_tokens_decoder", {})
+    special = {t["content"]: int(i) for i, t in added.items()}
+    special |= {t["content"]: t["id"] for t in tokenizer_json.get("added_tokens", [])}
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    splits = [p for p in pre.get("pretokenizers", [pre]) if p.get("type") == "Split"]
+    byte = gpt2_bytes()
+    enc = tiktoken.Encoding(
+        "qwen3",
+        pat_str=splits[0]["pattern"]["Regex"] if splits else QWEN2_PATTERN,
+        special_tokens=special,
+        mergeable_ranks={bytes(byte[c] for c in s): i for s, i in vocab.items()},
+    )
+    eos_token = special.get(str(tokenizer_config.get("eos_token")))
+    eos = {**cfg, **generation_config}.get("eos_token_id", eos_token)
+    if eos is None:
+        raise ValueError(
+            f"{path}: no eos_token_id in generation_config.json or config.json: add one"
+        )
+    eos = tuple(eos) if isinstance(eos, list) else (eos,)
+    known = {*vocab.values(), *special.values()}  # ids with a token: Qwen3 has 151,669 of 151,936
+
+    def encode(text):  # NFC, as Qwen's normaliser
+        return enc.encode(unicodedata.normalize("NFC", text), allowed_special="all")
+
+    def decode(ids):  # skips the ids without a token (a sampler may return any id < V)
+        return enc.decode([i for i in map(int, ids) if i in known])
+
+    def chat(text):
+        return encode(CHAT.format(text))
+
+    return Tokenizer(encode, decode, chat, eos, special.get("<|endoftext|>", eos[0]))
+
+
+# ---- loading: every header is checked before any tensor is read
+def tensor_problem(name, shape, entry):  # what is wrong with a tensor's header entry, or ""
+    if entry is None:
+        return f"tensor {name} is missing"
+    _, dtype, file_shape, start, end, size = entry
+    if file_shape != shape:
+        return f"{name} is {file_shape}, config.json implies {shape}"
+    if dtype not in DTYPES:
+        return f"{name} has dtype {dtype}, not one of {', '.join(DTYPES)}"
+    need = math.prod(file_shape) * np.dtype(DTYPES[dtype]).itemsize
+    if end - start != need:
+        return (
+            f"{name} has data_offsets for {end - start} bytes, {file_shape} in {dtype} takes {need}"
+        )
+    if end > size:
+        return f"{name} ends at byte {end}, the file has {size}: it is truncated"
+    return ""
+
+
+def view(file, dtype, shape, start, *_):  # a tensor in its file, read only where it is sliced
+    return np.memmap(file, DTYPES[dtype], "r", start, shape)
+
+
+def load(path, dtype=jnp.float32, place=None):
+    """A checkpoint: a local directory, or a repo id such as Qwen/Qwen3-0.6B. Each tensor is mapped
+    from its file straight to its devices: place(shapes) gives their shardings (default: one)."""
+    cfg, path = config(path, ["*.json", "*.safetensors", "merges.txt"])
+    top, layers = qwen3.layout(cfg)
+    L = cfg["num_hidden_layers"]
+    expected = {hf: shape for hf, shape, _ in top.values()}
+    expected |= {hf.format(i): shape for hf, shape, _ in layers.values() for i in range(L)}
+    index, single = f"{path}/model.safetensors.index.json", f"{path}/model.safetensors"
+    sharded = os.path.exists(index)
+    if sharded and os.path.exists(single):
+        raise ValueError(f"{path} holds both model.safetensors and {index}: remove the stale one")
+    if sharded:
+        files = sorted({f"{path}/{f}" for f in read_json(index)["weight_map"].values()})
+    else:
+        files = [single]
+    header = {}
+    for file in files:
+        header |= {k: entry for k, entry in read_header(file)[0].items() if k in expected}
+    for name, shape in expected.items():
+        problem = tensor_problem(name, shape, header.get(name))
+        if problem:
+            file = header[name][0] if name in header else (index if sharded else single)
+            raise ValueError(f"{file}: {problem}")
+
+    src = {k: view(*header[hf]) for k, (hf, _, _) in top.items()}
+    src["layers"] = {  # [out, in] -> [in, out], one view per layer
+        k: [view(*header[hf.format(i)]).T.reshape(s) for i in range(L)]
+        for k, (hf, _, s) in layers.items()
+    }
+    shapes = {k: jax.ShapeDtypeStruct(s, dtype) for k, (_, _, s) in top.items()}
+    shapes["layers"] = {k: jax.ShapeDtypeStruct((L, *s), dtype) for k, (_, _, s) in layers.items()}
+
+    def read(x, slices):  # a block of one tensor, in dtype; of a layer weight: from its L views
+        if isinstance(x, list):
+            return np.stack([m[slices[1:]] for m in x[slices[0]]]).astype(dtype)
+        return x[slices].astype(dtype)
+
+    def array(shape, sharding, x):
+        if place:
+            return jax.make_array_from_callback(shape.shape, sharding, lambda i: read(x, i))
+        return jnp.asarray(read(x, (slice(None),) * len(shape.shape)))  # uncommitted
+
+    weights = jax.tree.map(array, shapes, place(shapes) if place else shapes, src)
+    return Model(cfg, weights, load_tokenizer(path, cfg), path)
+
+
+# ---- saving: only into a folder that holds no checkpoint but save()'s own
+def check_save_dir(out_dir):
+    """Refuses a file, an unwritable folder or a checkpoint save() did not write; makes nothing."""
+    folder = Path(out_dir).absolute()
+    up = next(p for p in (folder, *folder.parents) if p.exists())  # out_dir or where it goes
+    if not up.is_dir() or not os.access(up, os.W_OK | os.X_OK):
+        raise ValueError(f"{out_dir}: {up} is not a writable directory")
+    names = [f.name for f in folder.glob("*")]
+    held = sorted(f for f in names if f == "config.json" or ".safetensors" in f)
+    ours = held in (["model.safetensors"], ["config.json", "model.safetensors"])
+    if held and not (ours and read_header(folder / "model.safetensors")[1] == SAVED_BY):
+        raise ValueError(
+            f"{out_dir} holds a checkpoint that save() did not write: {', '.join(held)}"
+        )
+
+
+def write_whole(file, data):  # written beside it, then renamed: a crash leaves the old file whole
+    partial = Path(file.parent, "save.partial")
+    partial.write_bytes(data)
+    os.replace(partial, file)
+
+
+def save(out_dir, cfg, weights, tokenizer_dir=None):
+    """Writes config.json and model.safetensors (bf16, Hugging Face names and layout) to out_dir,
+    then tokenizer_dir's .json and .txt files but config.json and model.safetensors.index.json."""
+    check_save_dir(out_dir)
+    top, layers = qwen3.layout(cfg)
+    arrays = {hf: weights[k] for k, (hf, _, _) in top.items()}
+    for k, (hf, hf_shape, _) in layers.items():
+        for i in range(cfg["num_hidden_layers"]):
+            arrays[hf.format(i)] = weights["layers"][k][i].reshape(hf_shape[::-1]).T  # [out, in]
+    header, data = {"__metadata__": SAVED_BY}, bytearray()
+    for name, a in arrays.items():
+        offsets = [len(data), len(data) + 2 * a.size]
+        header[name] = dict(dtype="BF16", shape=a.shape, data_offsets=offsets)
+        data += np.asarray(a, ml_dtypes.bfloat16).tobytes()
+    head = json.dumps(header).encode()
+    os.makedirs(out_dir, exist_ok=True)
+    # model.safetensors first: alone, it still marks the folder as ours
+    write_whole(Path(out_dir, "model.safetensors"), len(head).to_bytes(8, "little") + head + data)
+    write_whole(Path(out_dir, "config.json"), json.dumps(cfg, indent=2).encode())
+    for f in os.listdir(tokenizer_dir) if tokenizer_dir else []:
+        checkpoint_file = f in ("config.json", "model.safetensors.index.json")
+        if f.endswith((".json", ".txt")) and not checkpoint_file:
+            shutil.copy(os.path.join(tokenizer_dir, f), out_dir)
