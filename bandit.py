@@ -13,6 +13,7 @@ sampler's top-k head size.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import harness
@@ -84,6 +85,35 @@ def bandit(args, center, staleness, out=None):
     )
 
 
+def report(args, runs):  # runs {(sampler, centred): bandit result}
+    print(
+        f"\n{args.arms} arms, sampler logit offset std {args.weight_noise}, "
+        f"baseline {args.baseline}, {args.steps} steps, lr {args.lr}, seed {args.seed}; "
+        f"gap TV(q, p) {runs['online', 0]['gap']:.3f}"
+    )
+    rows = {f"{s} {'on' if c else 'off'}": r for (s, c), r in runs.items()}
+    harness.table("sampler centring", rows, {"drift": "{:.3f}", "reward": "{:.3f}"})
+    for (s, c), r in runs.items():
+        rows = [
+            dict(sampler=s, center=bool(c), step=i + 1, drift=d) for i, d in enumerate(r["curve"])
+        ]
+        harness.append_rows(args.out, rows)
+    if args.plot:
+        x = np.arange(1, args.steps + 1)
+        curves = {}
+        for s, line in (("online", "-"), ("frozen", "--")):
+            for c in (0, 1):  # off red, on blue
+                label = f"{s} sampler, centring {'on' if c else 'off'}"
+                curves[label] = (x, runs[s, c]["curve"], "rb"[c] + line)
+        curves["sampler gap at start"] = (x[[0, -1]], [runs["online", 0]["gap"]] * 2, "k:")
+        harness.plot(args.plot, [("Toy bandit, raw rewards", "drift  TV(p_t, p_0)", curves)])
+    summary = {
+        f"{s}_{'centered' if c else 'uncentered'}": {k: v for k, v in r.items() if k != "curve"}
+        for (s, c), r in runs.items()
+    }
+    return harness.write_summary(args.out, summary)
+
+
 def run(args):
     """One run, or --compare: centring off and on, each with an online and a frozen sampler."""
     if not args.compare:
@@ -91,4 +121,4 @@ def run(args):
         return harness.write_summary(args.out, {k: v for k, v in res.items() if k != "curve"})
     samplers = (("online", 0), ("frozen", args.steps))
     runs = {(s, c): bandit(args, c, staleness) for s, staleness in samplers for c in (0, 1)}
-    return harness.report_bandit(args, runs)
+    return report(args, runs)

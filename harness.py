@@ -11,8 +11,10 @@ import math
 import os
 import re
 import shutil
+import socket
 import sys
 import threading
+import time
 import urllib.request
 
 import jax
@@ -25,14 +27,50 @@ import hf_checkpoint
 # processes
 
 
+def reachable(address, seconds):  # a TCP connection to host:port opens within `seconds`
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            left = max(deadline - time.monotonic(), 0.1)
+            socket.create_connection((host, int(port)), timeout=min(left, 5)).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
+
+
 def join_processes(env=os.environ):
     """One of JAX_NUM_PROCESSES processes (hosts): JAX_PROCESS_ID is its rank,
-    JAX_COORDINATOR_ADDRESS the host:port of process 0. Process 0 prints and writes; every process
-    reads (--resume: a shared folder)."""
+    JAX_COORDINATOR_ADDRESS the host:port of process 0, JAX_COORDINATOR_TIMEOUT how many seconds
+    to wait for it (default 120). Process 0 prints and writes; every process reads (--resume: a
+    shared folder). A process that cannot reach process 0 says so in one line and stops."""
     n = int(env.get("JAX_NUM_PROCESSES", 1))
     if n > 1 and not jax.distributed.is_initialized():
+        rank, address = env.get("JAX_PROCESS_ID", "?"), env.get("JAX_COORDINATOR_ADDRESS", "")
+        seconds = float(env.get("JAX_COORDINATOR_TIMEOUT", 120))
+        if not rank.isdigit() or not int(rank) < n or ":" not in address:
+            raise SystemExit(
+                f"error: JAX_NUM_PROCESSES={n} needs JAX_PROCESS_ID in 0..{n - 1} (got {rank}) "
+                f"and JAX_COORDINATOR_ADDRESS host:port of process 0 (got {address!r})"
+            )
+        who = "the other processes" if rank == "0" else "the coordinator, process 0,"
+        print(
+            f"process {rank} of {n}: waiting up to {seconds:g} s for {who} at {address} "
+            "(JAX_COORDINATOR_ADDRESS; JAX_COORDINATOR_TIMEOUT sets the wait)",
+            flush=True,
+        )
+        if rank != "0" and not reachable(address, seconds):
+            raise SystemExit(
+                f"error: process {rank} of {n} found no coordinator at {address} within "
+                f"{seconds:g} s: set JAX_COORDINATOR_ADDRESS to process 0's host:port, reachable "
+                "from here, and start process 0"
+            )
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices: the tests
-        jax.distributed.initialize(num_processes=n, process_id=int(env["JAX_PROCESS_ID"]))
+        jax.distributed.initialize(
+            address, n, int(rank), initialization_timeout=max(int(seconds), 1)
+        )
     if jax.process_index():
         sys.stdout = open(os.devnull, "w")
 
@@ -49,8 +87,12 @@ def csv(kind):  # "0.5,5" -> (0.5, 5.0)
     return lambda s: tuple(map(kind, s.split(",")))
 
 
+QWEN3_06B = "Qwen/Qwen3-0.6B"
+
+
 def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that depend on the task
     group = p.add_argument_group("run")
+    switch, optimizers, kinds = dict(action="store_true"), ["sgd", "adam", "adamw"], ["int8", "fp8"]
 
     def a(name, help, **kw):  # the help ends with the default: per task, or argparse's
         key = name[2:].replace("-", "_")
@@ -60,41 +102,26 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
 
     a(
         "--task",
-        "gsm8k: Qwen3; sequence: a tiny CPU Qwen3; bandit: the toy",
+        "gsm8k: Qwen3; sequence: tiny CPU Qwen3; bandit: toy",
         choices=recipe,
         default="gsm8k",
     )
     a("--center", "score centering: subtract the sampler-expected score", action="store_true")
     a(
         "--compare",
-        "centring off, then on (bandit: x online/frozen sampler); one table",
+        "centring off, then on (bandit: x online/frozen); one table",
         action="store_true",
     )
-    a(
-        "--seeds",
-        "with --compare (not bandit): the seeds to run, e.g. 0,1 (default: --seed)",
-        type=csv(int),
-    )
-    a(
-        "--model",
-        "Hugging Face repo id or local checkpoint directory (gsm8k)",
-        default="Qwen/Qwen3-0.6B",
-    )
+    a("--seeds", "with --compare (not bandit): the seeds to run, e.g. 0,1", type=csv(int))
+    a("--model", "Hugging Face repo id or local checkpoint directory (gsm8k)", default=QWEN3_06B)
     a("--data-dir", "folder with GSM8K train.jsonl and test.jsonl (default: download once, cached)")
     a("--seed", "seed of the data order, the sampler's noise and the rollouts", type=int, default=0)
-    a(
-        "--out",
-        "a new folder: metrics.jsonl (flushed every step), summary.json, the resumable state",
-    )
+    a("--out", "a new folder: metrics.jsonl (flushed every step), summary.json, resumable state")
     a("--save-every", "keep a resumable state in --out every N steps", type=int)
     a("--resume", "continue the run in this --out folder, with the flags it was started with")
     a("--save", "write the trained policy here as a Hugging Face checkpoint")
     a("--plot", "with --compare: draw the curves into this PNG (needs matplotlib)")
-    a(
-        "--plan",
-        "print the memory per device this run needs (reads config.json only)",
-        action="store_true",
-    )
+    a("--plan", "print the memory per device this run needs (reads config.json only)", **switch)
 
     group = p.add_argument_group("RL")
     a("--steps", "optimizer steps", type=int)
@@ -102,29 +129,15 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
     a("--group", "rollouts per prompt", type=int, default=8)
     a("--max-tokens", "completion length cap", type=int)
     a("--lr", "constant learning rate", type=float)
-    a(
-        "--optimizer",
-        "no schedule: nothing confounds drift",
-        choices=["sgd", "adam", "adamw"],
-        default="sgd",
-    )
+    a("--optimizer", "no schedule: nothing confounds drift", choices=optimizers, default="sgd")
     a(
         "--baseline",
         "advantage r - group mean, or raw r",
         choices=["group", "none"],
         default="group",
     )
-    a(
-        "--micro-batch",
-        "rows per forward/backward pass (default: largest batch divisor <= 16)",
-        type=int,
-    )
-    a(
-        "--topk",
-        "sampler head recorded per token; 0 = full distribution (exact)",
-        type=int,
-        default=128,
-    )
+    a("--micro-batch", "rows per forward/backward pass (default: largest divisor <= 16)", type=int)
+    a("--topk", "sampler head recorded per token; 0: all V (exact)", type=int, default=128)
     a("--tis-cap", "truncated importance sampling, w = min(p/q, C) (default: off)", type=float)
     a(
         "--mis",
@@ -136,30 +149,16 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
 
     group = p.add_argument_group("mismatch: how the sampler differs from the float32 trainer")
     a("--sampler", "bf16, or W8A8 fake quantisation", choices=["bf16", "int8", "fp8"])
-    a(
-        "--kv-quant",
-        "fake-quantise every K and V the sampler caches (default: off)",
-        choices=["int8", "fp8"],
-    )
-    a(
-        "--weight-noise",
-        "fixed relative weight noise σ (bandit: a fixed logit offset's std)",
-        type=float,
-    )
+    a("--kv-quant", "fake-quantise each K and V the sampler caches (default: off)", choices=kinds)
+    a("--weight-noise", "fixed relative weight noise σ (bandit: a logit offset's std)", type=float)
     a("--staleness", "refresh the sampler every S+1 steps; S >= steps: frozen", type=int, default=0)
 
-    group = p.add_argument_group(
-        "evaluation: greedy, clean bf16; the drift meter; bandit: the log cadence"
-    )
+    group = p.add_argument_group("evaluation: greedy, clean bf16; the drift meter; bandit: logs")
     a("--eval-every", "evaluate every N steps", type=int)
-    a(
-        "--eval-n",
-        "held-out prompts: the first N GSM8K test problems; N fixed sequence prompts",
-        type=int,
-    )
+    a("--eval-n", "held-out prompts: the first N GSM8K test problems; N sequence prompts", type=int)
     a(
         "--probe-n",
-        "the drift meter's probe prompts (gsm8k: the first N test problems)",
+        "the drift meter's prompts (gsm8k: the first N test problems)",
         type=int,
         default=64,
     )
@@ -225,7 +224,7 @@ def mistakes(args, chosen):
             "--save, --data-dir, --lora, --sampler, --kv-quant, --save-every and --resume are not "
             "for --task bandit (its mismatch is --weight-noise, and it runs in seconds)"
         )
-    if args.task == "sequence" and (args.data_dir or args.model != "Qwen/Qwen3-0.6B"):
+    if args.task == "sequence" and (args.data_dir or args.model != QWEN3_06B):
         errors.append(
             "--data-dir and --model are for --task gsm8k (the sequence task builds its model from "
             "--seed)"
@@ -311,6 +310,15 @@ def parse_args(argv, recipe, description):
 # -------------------------------------------------------------------------------------------------
 # the run's files: run.json, logs and metrics.jsonl, the resumable state; Ctrl-C
 
+
+def strict(x):  # NaN and ±inf as null, so that every file is JSON that strict parsers read
+    if isinstance(x, dict):
+        return {k: strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
 LOCK = threading.Lock()  # held while a file is written: Ctrl-C waits for it
 PROGRESS = {}  # where the run is, for Ctrl-C's message
 
@@ -333,24 +341,16 @@ def start(args):  # the run's folder and run.json (not rewritten by a resume), a
     print("config " + json.dumps(vars(args)), flush=True)
 
 
-COLUMNS = dict(
-    reward="{:6.3f}",
-    acc="{:6.3f}",
-    drift="{:8.2e}",
-    grad_norm="{:8.2e}",
-    kl_q_p="{:+9.2e}",
-    logprob_gap="{:8.2e}",
-    entropy="{:6.3f}",
-    length="{:6.1f}",
-    seconds="{:6.1f}",
-)
+COLUMNS = dict(reward="{:6.3f}", acc="{:6.3f}", drift="{:8.2e}", grad_norm="{:8.2e}")  # step lines
+COLUMNS |= dict(kl_q_p="{:+9.2e}", logprob_gap="{:8.2e}", entropy="{:6.3f}", length="{:6.1f}")
+COLUMNS |= dict(seconds="{:6.1f}")
 
 
 def append_rows(out, rows):  # to out/metrics.jsonl; no out (or not process 0), no file
     if not out or jax.process_index():
         return
     with LOCK, open(f"{out}/metrics.jsonl", "a") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
+        f.writelines(json.dumps(strict(row)) + "\n" for row in rows)
 
 
 def log_step(row, steps, columns, out=None):  # "step 12/100 | reward  0.410 | ...", and the row
@@ -363,9 +363,9 @@ def log_step(row, steps, columns, out=None):  # "step 12/100 | reward  0.410 | .
 
 
 def write_summary(out, summary):
-    print("summary " + json.dumps(summary))
+    print("summary " + json.dumps(strict(summary)))
     if out:
-        atomic(os.path.join(out, "summary.json"), lambda f: json.dump(summary, f, indent=1))
+        atomic(os.path.join(out, "summary.json"), lambda f: json.dump(strict(summary), f, indent=1))
     return summary
 
 
@@ -374,13 +374,21 @@ def finished(out):  # the summary of a run that has ended (a --resume of it), el
         return json.load(open(os.path.join(out, "summary.json")))
 
 
-def finish(out, hist, steps):  # summary.json: drift and score per evaluation, peak, final, drop
+def finish(out, hist, steps, lr=None):
+    """summary.json: drift and score per evaluation, peak, final, drop; a run whose update was not
+    finite stopped at that step (its weights are that step's), and says so."""
     final, acc, drift = str(steps), hist["acc"], hist["drift"]
     kl, reward = float(np.mean(hist["kl_q_p"])), float(np.mean(hist["reward"][-5:]))  # last 5 steps
     summary = dict(drift=drift, final_drift=drift[final], mean_kl_q_p=kl, reward=reward)
     if acc:
         peak = max(acc.values())
         summary |= dict(eval_acc=acc, peak_acc=peak, final_acc=acc[final], drop=peak - acc[final])
+    if "diverged_at_step" in hist:
+        summary["stopped"] = (
+            f"step {steps}: the loss, a gradient or a weight is not finite: the update was skipped "
+            f"and the run stopped with the weights of step {steps}; try a lower --lr (now {lr:g})"
+        )
+        print(summary["stopped"], flush=True)
     write_summary(out, summary)
     if out and os.path.exists(os.path.join(out, "state.npz")) and not jax.process_index():
         os.remove(os.path.join(out, "state.npz"))  # the run has ended: its state can go
@@ -392,7 +400,7 @@ def save_state(file, hist, *trees):  # float32 leaves (bf16 widened exactly), th
         f"a{i}": np.asarray(x, np.float32 if x.dtype == jax.numpy.bfloat16 else x.dtype)
         for i, x in enumerate(jax.tree.leaves(trees))
     }
-    atomic(file, lambda f: np.savez(f, hist=np.array(json.dumps(hist)), **leaves), "wb")
+    atomic(file, lambda f: np.savez(f, hist=np.array(json.dumps(strict(hist))), **leaves), "wb")
 
 
 def resume(out, hist, *trees):  # hist and trees from out's state, if any; metrics.jsonl cut there
@@ -538,21 +546,15 @@ def report(args, cfg, res):  # --compare: table, verdict, figure; res {run: summ
     )
     runs = list(res.values())  # uncentred, centred, seed by seed
     by_seed = [dict(uncentered=u, centered=c) for u, c in zip(runs[::2], runs[1::2], strict=True)]
-    columns = dict(
-        peak_acc="{:.3f}",
-        final_acc="{:.3f}",
-        drop="{:.3f}",
-        final_drift="{:.2e}",
-        mean_kl_q_p="{:+.2e}",
-    )
+    columns = dict(peak_acc="{:.3f}", final_acc="{:.3f}", drop="{:.3f}", final_drift="{:.2e}")
+    columns["mean_kl_q_p"] = "{:+.2e}"
     means = {
         f"mean {arm}": {k: np.mean([r[arm][k] for r in by_seed]) for k in columns}
         for arm in ("uncentered", "centered")
     }
     table("run", res | means, columns)
-    score, name = (
-        ("accuracy", "GSM8K") if args.task == "gsm8k" else ("held-out score", "sequence task")
-    )
+    gsm8k = args.task == "gsm8k"
+    score, name = ("accuracy", "GSM8K") if gsm8k else ("held-out score", "sequence task")
     summary = dict(res, verdict=verdict(by_seed, score))
     print(summary["verdict"])
     if args.plot and not jax.process_index():
@@ -567,34 +569,4 @@ def report(args, cfg, res):  # --compare: table, verdict, figure; res {run: summ
         panels = [(name, f"greedy {score}", curves("eval_acc"))]
         panels.append((name, "drift  KL(p_0 || p_t) on the probe", curves("drift")))
         plot(args.plot, panels)
-    return write_summary(args.out, summary)
-
-
-def report_bandit(args, runs):  # runs {(sampler, centred): bandit result}
-    print(
-        f"\n{args.arms} arms, sampler logit offset std {args.weight_noise}, "
-        f"baseline {args.baseline}, {args.steps} steps, lr {args.lr}, seed {args.seed}; "
-        f"gap TV(q, p) {runs['online', 0]['gap']:.3f}"
-    )
-    rows = {f"{s} {'on' if c else 'off'}": r for (s, c), r in runs.items()}
-    table("sampler centring", rows, {"drift": "{:.3f}", "reward": "{:.3f}"})
-    drifts = [
-        dict(sampler=s, center=bool(c), step=i + 1, drift=d)
-        for (s, c), r in runs.items()
-        for i, d in enumerate(r["curve"])
-    ]
-    append_rows(args.out, drifts)
-    if args.plot:
-        x = np.arange(1, args.steps + 1)
-        curves = {}
-        for s, line in (("online", "-"), ("frozen", "--")):
-            for c in (0, 1):  # off red, on blue
-                label = f"{s} sampler, centring {'on' if c else 'off'}"
-                curves[label] = (x, runs[s, c]["curve"], "rb"[c] + line)
-        curves["sampler gap at start"] = (x[[0, -1]], [runs["online", 0]["gap"]] * 2, "k:")
-        plot(args.plot, [("Toy bandit, raw rewards", "drift  TV(p_t, p_0)", curves)])
-    summary = {
-        f"{s}_{'centered' if c else 'uncentered'}": {k: v for k, v in r.items() if k != "curve"}
-        for (s, c), r in runs.items()
-    }
     return write_summary(args.out, summary)

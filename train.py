@@ -100,20 +100,10 @@ def gsm8k_task(model, data_dir, eval_n, probe_n, place=None):
     return Task(ckpt.cfg, ckpt.weights, eos, pad, train, test, probe, batch_reward, ckpt.path)
 
 
-SEQUENCE = dict(  # the sequence task's model: a tiny Qwen3
-    model_type="qwen3",
-    vocab_size=1024,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    rope_theta=1e4,
-    max_position_embeddings=256,
-    tie_word_embeddings=True,
-)
+SEQUENCE = dict(model_type="qwen3", vocab_size=1024, num_hidden_layers=2)  # a tiny Qwen3
+SEQUENCE |= dict(hidden_size=64, intermediate_size=128, head_dim=16, max_position_embeddings=256)
+SEQUENCE |= dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+SEQUENCE |= dict(rms_norm_eps=1e-6, rope_theta=1e4)
 SHARPEN = 6.0  # the final norm's weight: entropy ~1 nat, top-128 mass > 0.99, as a trained LM
 TEACHER_TOP = 3  # a completion token earns its reward when p_0 ranks it in its top 3
 
@@ -430,10 +420,17 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, tis_cap=None, mis=None,
         grads, (loss, metrics, n) = jax.lax.scan(accumulate, zeros, parts)
         N = jnp.maximum(n.sum(), 1)
         grads = jax.tree.map(lambda g: g / N, grads)
-        updates, opt_state = opt.update(grads, opt_state, params)
+        updates, new_state = opt.update(grads, opt_state, params)
+        new = optax.apply_updates(params, updates)
         metrics = {k: (v * n).sum() / N for k, v in metrics.items()}
         metrics |= dict(loss=loss.sum() / N, grad_norm=optax.tree.norm(grads))
-        return *keep((optax.apply_updates(params, updates), opt_state)), metrics
+        # a loss, gradient or weight that is not finite: the update is skipped, the run told
+        leaves = jax.tree.leaves((metrics["loss"], grads, new))
+        finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+        new, new_state = jax.tree.map(
+            partial(jnp.where, finite), (new, new_state), (params, opt_state)
+        )
+        return *keep((new, new_state)), metrics | dict(finite=finite)
 
     return jax.jit(step, donate_argnums=(0, 1))
 
@@ -494,12 +491,6 @@ def build(args, cfg, eos):
     )
 
 
-def evaluate(fn, task, w_bf16, key, data, n):  # the mean reward of greedy test completions
-    out = generate(fn["evaluator"], w_bf16, [p for p, _ in task.test], task.pad, key, data, n)
-    golds = [gold for _, gold in task.test]
-    return float(np.mean(task.reward(out["tokens"], out["mask"], golds)))
-
-
 def run(args, task, fn, center, seed, out):
     """One GRPO run into `out` (resumed from its state when there is one); returns its summary."""
     if harness.finished(out):  # a --resume of a finished run
@@ -529,16 +520,23 @@ def run(args, task, fn, center, seed, out):
     hist, (params, opt_state, w_sampler) = harness.resume(out, hist, params, opt_state, stale)
     order = np.random.default_rng(seed).permutation(len(task.train))
     columns = [c for c in harness.COLUMNS if c != "acc" or task.test]
+
+    def measure(row, w):  # the drift, and the mean reward of greedy test completions (clean bf16)
+        hist["drift"][str(row["step"])] = row["drift"] = drift(w)
+        if task.test:
+            test, golds = [p for p, _ in task.test], [gold for _, gold in task.test]
+            out = generate(fn["evaluator"], copy(w, "bf16"), test, task.pad, key, data, n)
+            acc = float(np.mean(task.reward(out["tokens"], out["mask"], golds)))
+            hist["acc"][str(row["step"])] = row["acc"] = acc
+
+    last = args.steps  # sooner if an update is not finite: the run stops at its step
     for step in range(hist["step"], args.steps + 1):
         harness.at_step(step, out, args.out, hist["step"])
         row, w = {"step": step}, fn["merge"](params, base, scale)
         refresh = step % (args.staleness + 1) == 0
         w_sampler = None if refresh else w_sampler  # dropped before the new copy: one at a time
         if step % args.eval_every == 0 or step == args.steps:
-            hist["drift"][str(step)] = row["drift"] = drift(w)
-            if task.test:
-                acc = evaluate(fn, task, copy(w, "bf16"), key, data, n)
-                hist["acc"][str(step)] = row["acc"] = acc
+            measure(row, w)
         if step < args.steps:
             t0 = time.perf_counter()
             if refresh:
@@ -553,18 +551,22 @@ def run(args, task, fn, center, seed, out):
             batch["adv"] = advantage(r.astype(np.float32), args.group, args.baseline)
             on_devices = jax.device_put(batch, data)
             params, opt_state, m = fn["steps"][center](params, opt_state, on_devices, base)
+            finite = bool(m.pop("finite"))
             row |= {k: float(v) for k, v in m.items()}
-            row |= dict(
-                reward=float(r.mean()),
-                length=float(batch["mask"].sum(1).mean()),
-                sample_seconds=t1 - t0,
-                train_seconds=time.perf_counter() - t1,
-                seconds=time.perf_counter() - t0,
-            )
-            hist["kl_q_p"].append(row["kl_q_p"])
-            hist["reward"].append(row["reward"])
+            t2 = time.perf_counter()
+            row |= dict(reward=float(r.mean()), length=float(batch["mask"].sum(1).mean()))
+            row |= dict(sample_seconds=t1 - t0, train_seconds=t2 - t1, seconds=t2 - t0)
+            if finite:
+                hist["kl_q_p"].append(row["kl_q_p"])
+                hist["reward"].append(row["reward"])
+            else:  # the update was skipped: the weights stay this step's, and the run stops
+                last = hist["diverged_at_step"] = step
+                if "drift" not in row:
+                    measure(row, fn["merge"](params, base, scale))
         harness.log_step(row, args.steps, columns, out)
-        if out and args.save_every and step < args.steps and (step + 1) % args.save_every == 0:
+        if step == last:
+            break
+        if out and args.save_every and (step + 1) % args.save_every == 0:
             hist["step"] = step + 1
             trees = host((params, opt_state, w_sampler if args.staleness else None))
             harness.save_state(os.path.join(out, "state.npz"), hist, *trees)
@@ -572,7 +574,7 @@ def run(args, task, fn, center, seed, out):
         weights = host(fn["merge"](params, base, scale))  # every process takes part
         if not jax.process_index():  # process 0 writes
             hf_checkpoint.save(args.save, task.cfg, weights, task.path)
-    return harness.finish(out, hist, args.steps)
+    return harness.finish(out, hist, last, args.lr)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -608,10 +610,11 @@ def plan(args, cfg, T0=256):  # T0: the prompt tokens planned for (GSM8K's chat 
         return jax.tree.map(lambda _: NamedSharding(mesh, spec), tree)
 
     def size(tree):  # bytes per device
-        return sum(
-            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-            for x in jax.tree.leaves(tree)
-        )
+        leaves = jax.tree.leaves(tree)
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+
+    def trained(tree):  # FSDP shards; LoRA: the adapters and their state whole on every device
+        return everywhere(PartitionSpec(), tree) if args.lora else shardings(tree, mesh)
 
     w = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, (_, _, s) in top.items()}
     w["layers"] = {k: jax.ShapeDtypeStruct((L, *s), jnp.float32) for k, (_, _, s) in layers.items()}
@@ -620,14 +623,7 @@ def plan(args, cfg, T0=256):  # T0: the prompt tokens planned for (GSM8K's chat 
     w = placed(w, shardings(w, mesh))
     params = jax.eval_shape(partial(lora_init, rank=args.lora), w, key=key) if args.lora else w
     state = jax.eval_shape(fn["opt"].init, params)
-    if args.lora:  # the adapters and their state whole on every device
-        params = placed(params, everywhere(PartitionSpec(), params))
-        state = placed(state, everywhere(PartitionSpec(), state))
-    else:
-        params, state = (
-            placed(params, shardings(params, mesh)),
-            placed(state, shardings(state, mesh)),
-        )
+    params, state = placed(params, trained(params)), placed(state, trained(state))
     rows = NamedSharding(mesh, PartitionSpec("data"))
     prompt = jax.ShapeDtypeStruct((B, T0), jnp.int32, sharding=rows)  # and pos
     batch = jax.eval_shape(fn["sampler"], w16, prompt, prompt, key)
@@ -654,10 +650,8 @@ def plan(args, cfg, T0=256):  # T0: the prompt tokens planned for (GSM8K's chat 
     rows["peak while sampling"] = resident + sampling
     rows["peak in the train step"] = rows["sampler weights"] + stepping + t.temp_size_in_bytes
     lora = f", LoRA {args.lora}" if args.lora else ""
-    print(
-        f"--plan: {L}-layer Qwen3, {B} rollouts x ({T0} + {M} tokens), micro-batch "
-        f"{args.micro_batch}, {args.optimizer}{lora}, {mesh.size} devices"
-    )
+    shape = f"{B} rollouts x ({T0} + {M} tokens), micro-batch {args.micro_batch}"
+    print(f"--plan: {L}-layer Qwen3, {shape}, {args.optimizer}{lora}, {mesh.size} devices")
     harness.table(
         "per device", {k: dict(MiB=v / 2**20) for k, v in rows.items()}, dict(MiB="{:10,.1f}")
     )
@@ -665,7 +659,7 @@ def plan(args, cfg, T0=256):  # T0: the prompt tokens planned for (GSM8K's chat 
 
 
 def parse_args(argv=None):
-    return harness.parse_args(argv, RECIPE, __doc__.split("\n")[0])
+    return harness.parse_args(argv, RECIPE, __doc__.split("\n\n")[0].replace("\n", " "))
 
 
 def main(argv=None):
