@@ -2818,3 +2818,99 @@ def test_readme_line_counts_are_the_files_line_counts():
     assert set(counts) == files  # every file of the project, each with its line count
     for name, n in counts.items():
         assert n == sum(1 for _ in open(os.path.join(here, name))), name
+
+
+def _strict_json(text):  # json.loads that refuses NaN and ±inf, as strict parsers do
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_diverging_run_stops_with_finite_weights_and_strict_json(tmp_path, capsys):
+    """At --lr 1e38 the weights blow up within a few steps: the step whose loss, gradient or
+    weights are not finite is skipped, the run stops there and says to lower --lr, every file is
+    strict JSON, and --save writes finite weights."""
+    argv = "--task sequence --steps 6 --lr 1e38 --eval-n 8 --probe-n 8 --eval-every 2".split()
+    argv += ["--save-every", "1"]
+    out, saved = tmp_path / "o", tmp_path / "w"
+    summary = train.main(argv + ["--out", str(out), "--save", str(saved)])
+    printed = capsys.readouterr().out
+    stopped = re.search(r"step (\d+): the loss, a gradient or a weight is not finite", printed)
+    assert stopped and "try a lower --lr (now 1e+38)" in printed, printed[-500:]
+    step = int(stopped.group(1))
+    assert step < 6 and summary["stopped"].startswith(f"step {step}:")
+    assert _strict_json((out / "summary.json").read_text())["stopped"] == summary["stopped"]
+    rows = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(step + 1))  # nothing after the stop
+    assert any(v is None for v in rows[-1].values())  # the non-finite metric, as null
+    assert str(step) in _strict_json((out / "summary.json").read_text())["drift"]
+    assert not (out / "state.npz").exists()
+    weights = jax.tree.leaves(hf_checkpoint.load(str(saved)).weights)
+    assert weights and all(bool(np.isfinite(np.asarray(x)).all()) for x in weights)
+
+
+def test_an_unreachable_coordinator_is_named_and_given_up_on(tmp_path):
+    with socket.socket() as s:  # a loopback port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1", JAX_COORDINATOR_TIMEOUT="2")
+    env["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{port}"
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, script, "--task", "sequence"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode != 0 and time.monotonic() - start < 60
+    assert done.stdout.startswith(
+        f"process 1 of 2: waiting up to 2 s for the coordinator, process 0, at 127.0.0.1:{port}"
+    )
+    assert "JAX_COORDINATOR_ADDRESS" in done.stdout
+    err = done.stderr.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith(f"error: process 1 of 2 found no coordinator at 127.0.0.1:{port}")
+    assert "JAX_COORDINATOR_ADDRESS" in err
+
+
+def test_tis_cap_flag_reaches_the_loss():
+    """--tis-cap C: the uncentred step's loss is the closed form -mean_t A min(p/q, C) log p(y),
+    from the trainer's log p and the sampler's recorded log q; without the flag, the plain one."""
+    base = "--task sequence --prompts 2 --group 4 --max-tokens 6".split()
+    task = train.sequence_task(0, 8, 8)
+    values = {}
+    for cap in (None, 0.5):
+        args = train.parse_args(base + ([] if cap is None else ["--tis-cap", str(cap)]))
+        fn = train.build(args, task.cfg, task.eos)
+        w_sampler = train.sampler_weights(task.weights, "int8")
+        prompts = [p for p, _ in task.train[:8]]
+        data = NamedSharding(fn["mesh"], PartitionSpec("data"))
+        batch = train.generate(fn["sampler"], w_sampler, prompts, 0, jax.random.PRNGKey(3), data, 8)
+        batch["adv"] = np.linspace(-1, 1, 8).astype(np.float32)
+        logp = np.asarray(fn["logp"](task.weights, batch), np.float64)  # [B, M]
+        ratio = np.exp(logp - batch["logq"])
+        w = np.ones_like(ratio) if cap is None else np.minimum(ratio, cap)  # TIS: min(p/q, C)
+        mask = batch["mask"]
+        expected = -(batch["adv"][:, None] * w * logp * mask).sum() / mask.sum()
+        weights = jax.tree.map(jnp.copy, task.weights)
+        state = fn["opt"].init(weights)
+        _, _, m = fn["steps"][False](weights, state, jax.device_put(batch, data))
+        np.testing.assert_allclose(float(m["loss"]), expected, rtol=1e-4, atol=1e-6)
+        values[cap] = float(m["loss"])
+    assert abs(values[None] - values[0.5]) > 1e-3  # the cap changes the loss here
+
+
+def test_lora_alpha_flag_scales_the_merge_by_alpha_over_rank():
+    args = train.parse_args("--task sequence --lora 4 --lora-alpha 8".split())
+    task = train.sequence_task(0, 8, 8)
+    fn = train.build(args, task.cfg, task.eos)
+    params = train.lora_init(task.weights, 4, jax.random.PRNGKey(0))
+    for k, ab in params.items():  # B starts at 0: give it values, so that the merge shows
+        ab["b"] = jax.random.normal(jax.random.PRNGKey(len(k)), ab["b"].shape)
+    merged = fn["merge"](params, task.weights, fn["scale"])
+    for k, x in task.weights["layers"].items():
+        if k not in params:
+            np.testing.assert_array_equal(merged["layers"][k], x)
+            continue
+        a, b = np.asarray(params[k]["a"], np.float64), np.asarray(params[k]["b"], np.float64)
+        expected = np.asarray(x, np.float64) + (8 / 4) * (a @ b).reshape(x.shape)
+        np.testing.assert_allclose(merged["layers"][k], expected, rtol=1e-5, atol=1e-5)
