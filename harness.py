@@ -88,11 +88,17 @@ def csv(kind):  # "0.5,5" -> (0.5, 5.0)
 
 
 QWEN3_06B = "Qwen/Qwen3-0.6B"
+SWEEP = "0,0.01,0.03,0.1,int8"  # --sweep's levels: a bf16 sampler with fixed weight noise S; W8A8
+
+
+def levels(text):  # "0,0.01,int8" -> [("bf16", 0.0), ("bf16", 0.01), ("int8", 0.0)]
+    return [(s, 0.0) if s in ("int8", "fp8") else ("bf16", float(s)) for s in text.split(",")]
 
 
 def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that depend on the task
     group = p.add_argument_group("run")
     switch, optimizers, kinds = dict(action="store_true"), ["sgd", "adam", "adamw"], ["int8", "fp8"]
+    sweep = dict(nargs="?", const=levels(SWEEP), type=levels, metavar="LEVELS")
 
     def a(name, help, **kw):  # the help ends with the default: per task, or argparse's
         key = name[2:].replace("-", "_")
@@ -113,6 +119,7 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
         action="store_true",
     )
     a("--seeds", "with --compare (not bandit): the seeds to run, e.g. 0,1", type=csv(int))
+    a("--sweep", f"--compare at each mismatch: S (bf16, noise S) or int8, fp8 ({SWEEP})", **sweep)
     a("--model", "Hugging Face repo id or local checkpoint directory (gsm8k)", default=QWEN3_06B)
     a("--data-dir", "folder with GSM8K train.jsonl and test.jsonl (default: download once, cached)")
     a("--seed", "seed of the data order, the sampler's noise and the rollouts", type=int, default=0)
@@ -200,6 +207,13 @@ def mistakes(args, chosen):
             f"{devices} devices"
         )
     # combinations
+    noises = [noise for _, noise in args.sweep or []]
+    if not all(0 <= noise < math.inf for noise in noises):
+        errors.append(f"--sweep levels are weight noises >= 0, int8 or fp8, got {noises}")
+    if args.sweep and bandit:
+        errors.append("--sweep is for --task sequence or gsm8k")
+    elif args.sweep and {"sampler", "weight_noise"} & chosen:
+        errors.append("--sweep sets the sampler and its noise: drop --sampler and --weight-noise")
     if args.compare and args.center:
         errors.append("--compare runs centring off and on: drop --center")
     if args.mis and args.tis_cap is not None:
@@ -270,6 +284,18 @@ def mistakes(args, chosen):
     return errors
 
 
+def check_against_model(cfg, name, topk, max_tokens):  # flags that the model's config can refuse
+    V, n_pos = cfg["vocab_size"], cfg.get("max_position_embeddings", math.inf)
+    if topk > V:
+        raise ValueError(f"--topk {topk} exceeds the {V} tokens of {name}")
+    if topk == 0 and V > 4096:
+        raise ValueError(f"--topk 0 records q over all {V} tokens: use --topk 128")
+    if max_tokens >= n_pos:
+        raise ValueError(
+            f"--max-tokens {max_tokens} reaches past the {n_pos} positions of the model"
+        )
+
+
 def run_config(args):  # the flags a resumed run starts from and must share (all but --save-every)
     return {k: v for k, v in vars(args).items() if k not in ("out", "resume", "save", "plot")}
 
@@ -285,6 +311,7 @@ def parse_args(argv, recipe, description):
         p.set_defaults(**was)
         args = p.parse_args(argv)
     chosen = {k for k in recipe[args.task] if getattr(args, k) is not None}
+    args.compare = args.compare or bool(args.sweep)  # a sweep is a --compare at every level
     vars(args).update({k: d for k, d in recipe[args.task].items() if k not in chosen})
     if args.micro_batch is None:  # the largest divisor of B = P·G, <= 16, a multiple of the devices
         B, devices = args.prompts * args.group, jax.device_count()

@@ -37,6 +37,7 @@ import harness
 import hf_checkpoint
 import qwen3
 import score_centering as sc
+import sweep
 import train
 
 # --------------------------------------------------------------------------------------------------
@@ -2914,3 +2915,154 @@ def test_lora_alpha_flag_scales_the_merge_by_alpha_over_rank():
         a, b = np.asarray(params[k]["a"], np.float64), np.asarray(params[k]["b"], np.float64)
         expected = np.asarray(x, np.float64) + (8 / 4) * (a @ b).reshape(x.shape)
         np.testing.assert_allclose(merged["layers"][k], expected, rtol=1e-5, atol=1e-5)
+
+
+def _run_summary(finals, kl=0.5, drift=1.0):  # a run's summary with held-out scores at steps 0..
+    acc = {str(10 * i): a for i, a in enumerate(finals)}
+    summary = dict(eval_acc=acc, final_acc=finals[-1], peak_acc=max(finals), final_drift=drift)
+    return summary | dict(mean_kl_q_p=kl)
+
+
+def test_sweep_gain_pairs_the_arms_of_one_seed_and_finds_its_first_step():
+    """Seed 1 scores 0.3 above seed 0 in both arms, centring adds 5 points to each at steps 10, 30
+    and 40: the gain is 5 with no spread, as centred minus uncentred of the same seed (across seeds
+    the spread would be 20 points), and it exceeds its spread for good from step 30."""
+    res = {}
+    for seed, base in ((0, 0.1), (1, 0.4)):
+        u = [base] * 5  # steps 0, 10, 20, 30, 40
+        c = [base, base + 0.05, base, base + 0.05, base + 0.05]
+        res[f"uncentered_seed{seed}"] = _run_summary(u, kl=0.2 + seed)
+        res[f"centered_seed{seed}"] = _run_summary(c, kl=0.4 + seed)
+    r = sweep.row(res)
+    assert r["gain"] == pytest.approx(5) and r["spread"] == pytest.approx(0, abs=1e-9)
+    assert r["from_step"] == 30
+    assert r["kl_q_p"] == pytest.approx(np.mean([0.2, 0.4, 1.2, 1.4]))  # measured, not nominal
+    assert r["final_u"] == pytest.approx(0.25) and r["final_c"] == pytest.approx(0.30)
+    noisy = dict(res, centered_seed1=_run_summary([0.4, 0.45, 0.4, 0.4, 0.35]))  # seed 1: -5
+    assert sweep.row(noisy)["spread"] == pytest.approx(np.std([5, -5], ddof=1))
+    assert sweep.row(noisy)["from_step"] is None
+
+
+def test_short_sweep_has_every_level_and_seed_and_the_mismatch_sets_the_arms_apart(tmp_path):
+    """--sweep 0,0.01,0.1 on two seeds, shortened: every level and seed is there, the measured
+    kl_q_p grows with the noise, the gain is centred minus uncentred of the same seed; after one
+    step from the same rollouts, the two arms' drift differs less with a clean bf16 sampler than
+    with 10% noise (the centring term scales with the mismatch)."""
+    argv = "--task sequence --sweep 0,0.01,0.1 --seeds 0,1 --steps 1 --eval-every 1".split()
+    argv += "--eval-n 8 --probe-n 8 --prompts 2 --group 4 --max-tokens 6 --lr 0.4".split()
+    summary = train.main(argv + ["--out", str(tmp_path / "o")])
+    saved = _strict_json((tmp_path / "o" / "summary.json").read_text())
+    levels = saved["levels"]
+    assert list(levels) == ["bf16", "bf16_noise0.01", "bf16_noise0.1"]
+    names = {f"{arm}_seed{s}" for arm in ("uncentered", "centered") for s in (0, 1)}
+    for level, r in levels.items():
+        assert set(r["runs"]) == names
+        assert all((tmp_path / "o" / level / name / "summary.json").exists() for name in names)
+        gains = [
+            r["runs"][f"centered_seed{s}"]["final_acc"]
+            - r["runs"][f"uncentered_seed{s}"]["final_acc"]
+            for s in (0, 1)
+        ]
+        assert r["gain"] == pytest.approx(100 * np.mean(gains), abs=1e-9)
+        assert r["spread"] == pytest.approx(100 * np.std(gains, ddof=1), abs=1e-9)
+    kl = [levels[k]["kl_q_p"] for k in levels]
+    assert kl[0] < kl[1] < kl[2], kl
+    assert summary["levels"]["bf16"]["kl_q_p"] == kl[0]
+
+    def apart(level):  # |drift of the uncentred arm - centred arm| after the first step
+        runs = levels[level]["runs"]
+        return [
+            abs(runs[f"uncentered_seed{s}"]["drift"]["1"] - runs[f"centered_seed{s}"]["drift"]["1"])
+            for s in (0, 1)
+        ]
+
+    assert max(apart("bf16")) < min(apart("bf16_noise0.1")), (apart("bf16"), apart("bf16_noise0.1"))
+
+
+def test_sequence_reward_is_p0_top3_in_the_lower_half_over_the_mask():
+    """Completions whose every token is p_0's rank-r token at its prefix, r in 0..5: the reward is
+    the fraction of unmasked tokens that are in the lower half of V and ranked in p_0's top 3,
+    with the ranks computed here in numpy from p_0's float32 logits."""
+    task = train.sequence_task(0, 8, 8)
+    cfg, V, B, M = task.cfg, task.cfg["vocab_size"], 16, 6
+    rng = np.random.default_rng(0)
+    prompts = np.array([p for p, _ in task.train[:B]], np.int32)
+    seq, ranks = prompts, rng.integers(0, 6, (B, M))
+    for t in range(M):  # append p_0's rank-r token at each prefix
+        pos = np.broadcast_to(np.arange(seq.shape[1]), seq.shape)
+        with jax.default_matmul_precision("highest"):
+            logits = np.asarray(qwen3.forward(cfg, task.weights, seq, pos, last=1)[0][:, 0])
+        order = np.argsort(-logits, axis=-1, kind="stable")
+        seq = np.concatenate([seq, order[np.arange(B), ranks[:, t]][:, None]], 1).astype(np.int32)
+    tokens = seq[:, 8:]
+    lengths = rng.integers(1, M + 1, B)
+    mask = np.arange(M)[None] < lengths[:, None]
+    good = (tokens < V // 2) & (ranks < 3) & mask
+    expected = good.sum(1) / mask.sum(1)
+    assert ((tokens >= V // 2) & (ranks < 3)).any() and (ranks == 3).any()  # the cases that matter
+    golds = [list(p) for p in prompts]
+    np.testing.assert_allclose(task.reward(tokens, mask, golds), expected, atol=1e-6)
+
+
+def test_evaluation_is_greedy_the_same_under_two_keys():
+    """The held-out score at step 0 does not depend on the run's key: completions are the argmax."""
+    argv = "--task sequence --steps 1 --eval-n 16 --probe-n 8 --prompts 2 --group 4".split()
+    args = train.parse_args(argv + ["--max-tokens", "6"])
+    task = train.sequence_task(0, 16, 8)
+    fn = train.build(args, task.cfg, task.eos)
+    accs = [train.run(args, task, fn, False, seed, None)["eval_acc"]["0"] for seed in (0, 1)]
+    assert accs[0] == accs[1]
+    prompt, pos = train.left_pad([p for p, _ in task.test], 0)
+    outs = [
+        fn["evaluator"](
+            train.sampler_weights(task.weights, "bf16"), prompt, pos, jax.random.PRNGKey(k)
+        )
+        for k in (0, 1)
+    ]
+    np.testing.assert_array_equal(outs[0]["tokens"], outs[1]["tokens"])
+    np.testing.assert_array_equal(outs[0]["tokens"], outs[0]["head_ids"][..., 0])  # the argmax
+
+
+def test_compare_report_credits_the_arm_that_was_centred(capsys):
+    """Arms that differ clearly: the uncentred runs drop 20 points, the centred ones none. The mean
+    rows and the verdict must say so (and would not with the pairs the other way round)."""
+    args = train.parse_args("--task sequence --compare --seeds 0,1".split())
+
+    def summary(peak, final):
+        curves = dict(eval_acc={"0": peak, "10": final}, drift={"0": 0.0, "10": 1.0})
+        scores = dict(peak_acc=peak, final_acc=final, drop=peak - final, final_drift=1.0)
+        return curves | scores | dict(mean_kl_q_p=0.5)
+
+    res = {}
+    for seed in (0, 1):
+        res[f"uncentered_seed{seed}"] = summary(0.6, 0.4)
+        res[f"centered_seed{seed}"] = summary(0.6, 0.6)
+    out = harness.report(args, train.SEQUENCE, res)
+    printed = capsys.readouterr().out
+    assert out["verdict"].startswith("verdict: centring VALIDATED")
+    assert re.search(r"mean uncentered\s+0\.600\s+0\.400\s+0\.200", printed), printed
+    assert re.search(r"mean centered\s+0\.600\s+0\.600\s+0\.000", printed), printed
+
+
+def test_weight_noise_is_the_same_at_every_refresh(monkeypatch):
+    """--weight-noise S: the sampler's copy is w (1 + S ε) with ε drawn once per run, a persistent
+    bias: ε read back from the copies of two refreshes is the same (up to bf16 rounding)."""
+    copies, real = [], train.sampler_weights
+
+    def spy(w, kind, sigma=0.0, key=None):
+        out = real(w, kind, sigma, key)
+        if sigma:
+            copies.append(
+                (np.asarray(w["layers"]["up"]), np.asarray(out["layers"]["up"], np.float32))
+            )
+        return out
+
+    monkeypatch.setattr(train, "sampler_weights", spy)
+    argv = "--task sequence --sampler bf16 --weight-noise 0.1 --steps 2 --eval-every 2".split()
+    train.main(
+        argv + "--eval-n 8 --probe-n 8 --prompts 2 --group 4 --max-tokens 6 --lr 0.4".split()
+    )
+    assert len(copies) == 2  # a refresh at each step
+    eps = [(copy / w - 1) / 0.1 for w, copy in copies]
+    assert not np.array_equal(copies[0][0], copies[1][0])  # the weights moved in between
+    assert np.corrcoef(eps[0].ravel(), eps[1].ravel())[0, 1] > 0.9

@@ -21,6 +21,8 @@ and its mismatch), how the policy learns (the loss and the train step), one run,
 B = P·G rows, T0 prompt length, M completion length, V vocabulary, k the top-k head size, L layers.
 """
 
+import argparse
+import functools
 import math
 import os
 import re
@@ -40,6 +42,7 @@ import harness
 import hf_checkpoint
 import qwen3
 import score_centering as sc
+import sweep
 
 TEMPERATURE = 1.0  # the sampler's; the recorded log q is the post-temperature distribution
 RECIPE = {  # per task, the defaults of the flags that depend on it
@@ -150,18 +153,6 @@ def sequence_task(seed, eval_n, probe_n):
 
     train, test, probe = prompts[:512], prompts[512:n], [p for p, _ in prompts[n:]]
     return Task(cfg, w, (-1,), 0, train, test, probe, reward_of, None)
-
-
-def check_against_model(cfg, name, topk, max_tokens):  # flags that the model's config can refuse
-    V, n_pos = cfg["vocab_size"], cfg.get("max_position_embeddings", math.inf)
-    if topk > V:
-        raise ValueError(f"--topk {topk} exceeds the {V} tokens of {name}")
-    if topk == 0 and V > 4096:
-        raise ValueError(f"--topk 0 records q over all {V} tokens: use --topk 128")
-    if max_tokens >= n_pos:
-        raise ValueError(
-            f"--max-tokens {max_tokens} reaches past the {n_pos} positions of the model"
-        )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -475,15 +466,19 @@ def build(args, cfg, eos):
         center: make_train_step(cfg, opt, args.micro_batch, mesh, center, **loss_flags)
         for center in (False, True)
     }
-    sampler = make_sampler(
-        cfg, args.max_tokens, args.topk, eos, quant_mm(args.sampler), kv=kv_quant(args.kv_quant)
-    )
+
+    @functools.cache
+    def samplers(kind):  # the rollouts' sampler for each kind of numerics, compiled once
+        mm, kv = quant_mm(kind), kv_quant(args.kv_quant)
+        return make_sampler(cfg, args.max_tokens, args.topk, eos, mm, kv=kv)
+
     return dict(
         mesh=mesh,
         opt=opt,
         scale=scale,
         steps=steps,
-        sampler=sampler,
+        sampler=samplers(args.sampler),
+        samplers=samplers,
         logp=jax.jit(partial(token_logp, cfg)),
         merge=jax.jit(merge, static_argnums=2) if args.lora else merge,  # each device its part
         evaluator=make_sampler(cfg, args.max_tokens, 1, eos, greedy=True),
@@ -582,18 +577,29 @@ def run(args, task, fn, center, seed, out):
 
 
 def compare(args, task):
-    res, fn, seeds = {}, build(args, task.cfg, task.eos), args.seeds or [args.seed]
-    for seed in seeds:
-        if args.task == "sequence":  # its model comes from the seed (GSM8K's does not)
-            task = sequence_task(seed, args.eval_n, args.probe_n)
-        for center in (False, True):
-            name = "centered" if center else "uncentered"
-            name += f"_seed{seed}" if len(seeds) > 1 else ""
-            print(f"\n---- {name}", flush=True)
-            out = args.out and os.path.join(args.out, name)
-            if out:
-                os.makedirs(out, exist_ok=True)
-            res[name] = run(args, task, fn, center, seed, out)
+    """Centring off, then on, for each seed; with --sweep, at each level of mismatch."""
+    fn, seeds = build(args, task.cfg, task.eos), args.seeds or [args.seed]
+    if args.task == "sequence":  # its model comes from the seed (GSM8K's does not)
+        tasks = {seed: sequence_task(seed, args.eval_n, args.probe_n) for seed in seeds}
+    else:
+        tasks = dict.fromkeys(seeds, task)
+    results = {}
+    for sampler, noise in args.sweep or [(args.sampler, args.weight_noise)]:
+        level = sampler + (f"_noise{noise:g}" if noise else "")
+        level_args = argparse.Namespace(**vars(args) | dict(sampler=sampler, weight_noise=noise))
+        level_fn = fn | dict(sampler=fn["samplers"](sampler))
+        res = results[level] = {}
+        for seed in seeds:
+            for center in (False, True):
+                name = "centered" if center else "uncentered"
+                name += f"_seed{seed}" if len(seeds) > 1 else ""
+                print(f"\n---- {level} {name}" if args.sweep else f"\n---- {name}", flush=True)
+                out = args.out and os.path.join(args.out, level if args.sweep else "", name)
+                if out:
+                    os.makedirs(out, exist_ok=True)
+                res[name] = run(level_args, tasks[seed], level_fn, center, seed, out)
+    if args.sweep:
+        return sweep.report(args, results)
     return harness.report(args, task.cfg, res)
 
 
@@ -678,7 +684,7 @@ def main(argv=None):
             else:
                 task = sequence_task(args.seed, args.eval_n, args.probe_n)
             name = args.model if args.task == "gsm8k" else "the sequence task"
-            check_against_model(task.cfg, name, args.topk, args.max_tokens)
+            harness.check_against_model(task.cfg, name, args.topk, args.max_tokens)
         except (ValueError, OSError) as e:  # bad data or checkpoint: one line, no traceback
             raise SystemExit(f"error: {e}") from None
         if args.compare:
