@@ -106,19 +106,11 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
         shown = "" if d is None or d is False else f" (default: {d})"
         group.add_argument(name, help=help + shown, **kw)
 
-    a(
-        "--task",
-        "gsm8k: Qwen3; sequence: tiny CPU Qwen3; bandit: toy",
-        choices=recipe,
-        default="gsm8k",
-    )
+    a("--task", "gsm8k: Qwen3; sequence: tiny Qwen3; bandit: toy", choices=recipe, default="gsm8k")
     a("--center", "score centering: subtract the sampler-expected score", action="store_true")
-    a(
-        "--compare",
-        "centring off, then on (bandit: x online/frozen); one table",
-        action="store_true",
-    )
+    a("--compare", "centring off, then on (bandit: x online/frozen); one table", **switch)
     a("--seeds", "with --compare (not bandit): the seeds to run, e.g. 0,1", type=csv(int))
+    a("--workers", "with --compare: runs at once, threads sharing the compiled programs", type=int)
     a("--sweep", f"--compare at each mismatch: S (bf16, noise S) or int8, fp8 ({SWEEP})", **sweep)
     a("--model", "Hugging Face repo id or local checkpoint directory (gsm8k)", default=QWEN3_06B)
     a("--data-dir", "folder with GSM8K train.jsonl and test.jsonl (default: download once, cached)")
@@ -137,20 +129,11 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
     a("--max-tokens", "completion length cap", type=int)
     a("--lr", "constant learning rate", type=float)
     a("--optimizer", "no schedule: nothing confounds drift", choices=optimizers, default="sgd")
-    a(
-        "--baseline",
-        "advantage r - group mean, or raw r",
-        choices=["group", "none"],
-        default="group",
-    )
+    a("--baseline", "r - group mean, or raw r", choices=["group", "none"], default="group")
     a("--micro-batch", "rows per forward/backward pass (default: largest divisor <= 16)", type=int)
     a("--topk", "sampler head recorded per token; 0: all V (exact)", type=int, default=128)
     a("--tis-cap", "truncated importance sampling, w = min(p/q, C) (default: off)", type=float)
-    a(
-        "--mis",
-        "masked IS LO,HI: w = p/q inside the band, 0 outside (default: off)",
-        type=csv(float),
-    )
+    a("--mis", "masked IS: w = p/q inside LO,HI, else 0 (default: off)", type=csv(float))
     a("--lora", "train LoRA adapters of this rank on every projection (default: off)", type=int)
     a("--lora-alpha", "LoRA scale alpha / rank (default: alpha = rank)", type=float)
 
@@ -163,12 +146,7 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
     group = p.add_argument_group("evaluation: greedy, clean bf16; the drift meter; bandit: logs")
     a("--eval-every", "evaluate every N steps", type=int)
     a("--eval-n", "held-out prompts: the first N GSM8K test problems; N sequence prompts", type=int)
-    a(
-        "--probe-n",
-        "the drift meter's prompts (gsm8k: the first N test problems)",
-        type=int,
-        default=64,
-    )
+    a("--probe-n", "drift meter prompts (gsm8k: the first N test problems)", type=int, default=64)
     a("--arms", "bandit arms", type=int, default=16)
 
 
@@ -185,7 +163,8 @@ def mistakes(args, chosen):
     B, devices, mb = args.prompts * args.group, jax.device_count(), args.micro_batch  # B = P·G
     # numbers
     ints = (
-        "steps prompts group max_tokens eval_every eval_n probe_n arms micro_batch save_every lora"
+        "steps prompts group max_tokens eval_every eval_n probe_n arms micro_batch save_every lora "
+        "workers"
     )
     errors = [f"{flag(k)} must be >= 1" for k in ints.split() if v[k] is not None and v[k] < 1]
     errors += [
@@ -222,8 +201,8 @@ def mistakes(args, chosen):
         errors.append("--baseline group needs --group >= 2")
     if args.lora_alpha is not None and args.lora is None:
         errors.append("--lora-alpha needs --lora")
-    if seeds and (not args.compare or bandit):
-        errors.append("--seeds is for --compare on --task gsm8k or sequence")
+    if (seeds or "workers" in chosen or bandit and args.workers) and (not args.compare or bandit):
+        errors.append("--seeds and --workers are for --compare on --task gsm8k or sequence")
     if args.compare and args.save:
         errors.append("--save keeps one policy: drop --compare")
     if args.plot and not args.compare:
@@ -296,8 +275,10 @@ def check_against_model(cfg, name, topk, max_tokens):  # flags that the model's 
         )
 
 
-def run_config(args):  # the flags a resumed run starts from and must share (all but --save-every)
-    return {k: v for k, v in vars(args).items() if k not in ("out", "resume", "save", "plot")}
+def run_config(args):  # the flags a resumed run starts from and must share (but --save-every)
+    return {
+        k: v for k, v in vars(args).items() if k not in ("out", "resume", "save", "plot", "workers")
+    }
 
 
 def parse_args(argv, recipe, description):
@@ -380,17 +361,18 @@ def append_rows(out, rows):  # to out/metrics.jsonl; no out (or not process 0), 
         f.writelines(json.dumps(strict(row)) + "\n" for row in rows)
 
 
-def log_step(row, steps, columns, out=None):  # "step 12/100 | reward  0.410 | ...", and the row
+def log_step(row, steps, columns, out=None, prefix=""):  # "step 12/100 | reward  0.410 | ..."
     cells = [
         f"{k} " + (COLUMNS[k].format(row[k]) if k in row else "-" * len(COLUMNS[k].format(0)))
         for k in columns
     ]
-    print(" | ".join([f"step {row['step']:>{len(str(steps))}}/{steps}", *cells]), flush=True)
+    line = " | ".join([f"{prefix}step {row['step']:>{len(str(steps))}}/{steps}", *cells])
+    print(line + "\n", end="", flush=True)  # one write: the lines of parallel runs stay whole
     append_rows(out, [row])
 
 
-def write_summary(out, summary):
-    print("summary " + json.dumps(strict(summary)))
+def write_summary(out, summary, prefix=""):
+    print(f"{prefix}summary {json.dumps(strict(summary))}\n", end="", flush=True)
     if out:
         atomic(os.path.join(out, "summary.json"), lambda f: json.dump(strict(summary), f, indent=1))
     return summary
@@ -401,7 +383,7 @@ def finished(out):  # the summary of a run that has ended (a --resume of it), el
         return json.load(open(os.path.join(out, "summary.json")))
 
 
-def finish(out, hist, steps, lr=None):
+def finish(out, hist, steps, lr=None, prefix=""):
     """summary.json: drift and score per evaluation, peak, final, drop; a run whose update was not
     finite stopped at that step (its weights are that step's), and says so."""
     final, acc, drift = str(steps), hist["acc"], hist["drift"]
@@ -415,8 +397,8 @@ def finish(out, hist, steps, lr=None):
             f"step {steps}: the loss, a gradient or a weight is not finite: the update was skipped "
             f"and the run stopped with the weights of step {steps}; try a lower --lr (now {lr:g})"
         )
-        print(summary["stopped"], flush=True)
-    write_summary(out, summary)
+        print(f"{prefix}{summary['stopped']}", flush=True)
+    write_summary(out, summary, prefix)
     if out and os.path.exists(os.path.join(out, "state.npz")) and not jax.process_index():
         os.remove(os.path.join(out, "state.npz"))  # the run has ended: its state can go
     return summary
@@ -433,6 +415,7 @@ def save_state(file, hist, *trees):  # float32 leaves (bf16 widened exactly), th
 def resume(out, hist, *trees):  # hist and trees from out's state, if any; metrics.jsonl cut there
     if not out:
         return hist, trees
+    os.makedirs(out, exist_ok=True)  # a --compare's run: a subfolder
     file = os.path.join(out, "state.npz")
     if os.path.exists(file):
         with np.load(file) as z:

@@ -1808,6 +1808,16 @@ def test_mask_ends_at_the_first_eos(tiny):
     assert 0 < ended < 8  # rows that end and rows that run to the cap
 
 
+def test_left_pad_rounds_short_prompts_to_a_power_of_two_then_to_multiples():
+    """T0: 3 -> 4, 8 -> 8, 9 -> 16, 32 -> 32, 33 -> 64, 100 -> 128 (multiple 32); each prompt at
+    the right, its positions 0.. and the padding's -1."""
+    for n, T0 in [(3, 4), (8, 8), (9, 16), (32, 32), (33, 64), (100, 128)]:
+        tokens, pos = train.left_pad([[7] * n, [5, 6]], 0)
+        assert tokens.shape == pos.shape == (2, T0), (n, tokens.shape)
+        assert tokens[0].tolist() == [0] * (T0 - n) + [7] * n
+        assert pos[1].tolist() == [-1] * (T0 - 2) + [0, 1] and tokens[1, -2:].tolist() == [5, 6]
+
+
 def test_categorical_samples_exactly_q():
     """Inverse-CDF sampling over blocks: frequencies match q (a padded last block, a q(v) = 0)."""
     # V = 7, blocks of 4: the last block is padded
@@ -2389,28 +2399,23 @@ def test_gsm8k_compare_runs_both_arms_from_the_same_start(tmp_path, gsm, capsys,
 def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, capsys, monkeypatch):
     """The full LLM loop (sampler, KV cache, int8 + noise, top-k record, train step), shortened: on
     two seeds, uncentred GRPO walks farther and its held-out score falls further than centred
-    GRPO's."""
+    GRPO's. Its four runs, two at once (the sequence task's --workers), log what they log one
+    after another, row for row."""
     seen = spy_center(monkeypatch)
-    summary = train.main(
-        [
-            "--task",
-            "sequence",
-            "--compare",
-            "--seeds",
-            "0,1",
-            "--steps",
-            "8",
-            "--lr",
-            "0.4",
-            "--eval-n",
-            "128",
-            "--probe-n",
-            "8",
-            "--out",
-            str(tmp_path),
+    flags = "--task sequence --compare --seeds 0,1 --steps 8 --lr 0.4 --eval-n 128 --probe-n 8"
+    summary = train.main([*flags.split(), "--out", str(tmp_path / "two")])
+    assert sorted(seen) == [False, True]  # one train step traced per arm, shared by seeds, threads
+    lines = capsys.readouterr().out.splitlines()
+    one = train.main([*flags.split(), "--workers", "1", "--out", str(tmp_path / "one")])
+    assert one == summary
+    for name in (f"{c}_seed{s}" for s in (0, 1) for c in ("uncentered", "centered")):
+        rows = [
+            _strip(map(json.loads, open(tmp_path / d / name / "metrics.jsonl")))
+            for d in ("two", "one")
         ]
-    )
-    assert seen == [False, True]  # one train step traced per arm, shared by the seeds
+        assert rows[0] == rows[1] and len(rows[0]) == 9, name
+        steps = [line for line in lines if line.startswith(f"{name}: step ")]
+        assert len(steps) == 9 and all(line.count(" | ") == 9 for line in steps), steps
     for s in (0, 1):
         off, on = summary[f"uncentered_seed{s}"], summary[f"centered_seed{s}"]
         assert off["eval_acc"]["0"] == on["eval_acc"]["0"] and list(off["eval_acc"]) == ["0", "8"]
@@ -2419,11 +2424,9 @@ def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, cap
             on,
         )
         assert off["final_drift"] > 1.5 * on["final_drift"] > 0, (off, on)
-    lines = capsys.readouterr().out.splitlines()
-    table = [line.split() for line in lines if line.startswith(("uncentered_", "centered_"))]
-    assert [row[0] for row in table] == [
-        f"{c}_seed{s}" for s in (0, 1) for c in ("uncentered", "centered")
-    ]
+    names = [f"{c}_seed{s}" for s in (0, 1) for c in ("uncentered", "centered")]
+    table = [line.split() for line in lines if line.split(" ")[0] in names]  # not "name: step"
+    assert [row[0] for row in table] == names
     assert float(table[0][3]) == pytest.approx(summary["uncentered_seed0"]["drop"], abs=1e-3)
     assert summary["verdict"] in lines
 

@@ -22,6 +22,7 @@ B = P·G rows, T0 prompt length, M completion length, V vocabulary, k the top-k 
 """
 
 import argparse
+import concurrent.futures
 import functools
 import math
 import os
@@ -53,6 +54,7 @@ RECIPE = {  # per task, the defaults of the flags that depend on it
 RECIPE["gsm8k"] |= dict(sampler="bf16", weight_noise=0.0)  # the mismatch: a clean bf16 sampler
 RECIPE["sequence"] |= dict(sampler="int8", weight_noise=0.1)  # W8A8 and 10% fixed weight noise
 RECIPE["bandit"] |= dict(sampler="bf16", weight_noise=0.5)  # a logit offset of std 0.5
+RECIPE["gsm8k"]["workers"], RECIPE["sequence"]["workers"] = 1, 2  # runs at once: tiny steps
 # the input (contracted) axes of each matmul weight in qwen3.layout, after the stacked layer axis:
 # fan-in at initialisation, per-output-channel quantisation, LoRA's A
 INPUT_AXES = dict(q=(1,), k=(1,), v=(1,), o=(1, 2), gate=(1,), up=(1,), down=(1,))
@@ -187,12 +189,8 @@ def sampler_weights(w, kind, sigma=0.0, key=None):
     bias; kind int8 or fp8 fake-quantises every matmul weight per output channel."""
     if sigma:
         leaves, tree = jax.tree.flatten(w)
-        keys = jax.random.split(key, len(leaves))
-        noisy = [
-            x * (1 + sigma * jax.random.normal(k, x.shape))
-            for x, k in zip(leaves, keys, strict=True)
-        ]
-        w = tree.unflatten(noisy)
+        keys = tree.unflatten(list(jax.random.split(key, len(leaves))))  # a key a weight
+        w = jax.tree.map(lambda x, k: x * (1 + sigma * jax.random.normal(k, x.shape)), w, keys)
     if kind != "bf16":
 
         def quant(d):
@@ -218,9 +216,8 @@ def categorical(key, logq, block=128):
     """y ~ q [B, V] by inverse CDF, a block of ids then an id in it: two uniforms a row, not V
     Gumbels."""
     B, V = logq.shape
-    p = jnp.pad(jnp.exp(logq), ((0, 0), (0, -V % block))).reshape(
-        B, -1, block
-    )  # [B, V/block, block]
+    p = jnp.pad(jnp.exp(logq), ((0, 0), (0, -V % block)))
+    p = p.reshape(B, -1, block)  # [B, V/block, block]
 
     def pick(key, w):  # i with probability w_i / Σ w; rounding never reaches past the last w_i > 0
         c = jnp.cumsum(w, -1)
@@ -277,9 +274,10 @@ def make_sampler(
 
 
 def left_pad(prompts, pad_id, multiple=32):
-    """Token lists -> tokens, positions [B, T0] left-padded (position -1); T0 rounded up to a
-    multiple: fewer shapes, fewer compiles."""
-    T0 = -(-max(map(len, prompts)) // multiple) * multiple
+    """Token lists -> tokens, positions [B, T0] left-padded (position -1); T0 rounded up to a power
+    of two up to `multiple`, then to a multiple of it: few shapes (compiles), little padding."""
+    n = max(map(len, prompts))
+    T0 = -(-n // multiple) * multiple if n > multiple else 1 << (n - 1).bit_length()
     tokens = np.full((len(prompts), T0), pad_id, np.int32)
     pos = np.full((len(prompts), T0), -1, np.int32)
     for b, p in enumerate(prompts):
@@ -294,10 +292,8 @@ def host(tree):  # numpy copies of (global) arrays: every row, on every process
 def generate(sampler, w, prompts, pad_id, key, data, n):
     """Every prompt, n rows (one program) a call, each call's rows split over the devices (`data`).
     The last call is padded with copies of the first prompt, cut from the result."""
-    prompt, pos = left_pad(prompts, pad_id)
     pad = -len(prompts) % n
-    prompt = np.concatenate([prompt, np.repeat(prompt[:1], pad, 0)])
-    pos = np.concatenate([pos, np.repeat(pos[:1], pad, 0)])
+    prompt, pos = [np.concatenate([x, np.repeat(x[:1], pad, 0)]) for x in left_pad(prompts, pad_id)]
     outs = []
     for i in range(0, len(prompt), n):
         rows = jax.device_put((prompt[i : i + n], pos[i : i + n]), data)
@@ -486,8 +482,9 @@ def build(args, cfg, eos):
     )
 
 
-def run(args, task, fn, center, seed, out):
-    """One GRPO run into `out` (resumed from its state when there is one); returns its summary."""
+def run(args, task, fn, center, seed, out, prefix=""):
+    """One GRPO run into `out` (resumed from its state when there is one); returns its summary.
+    prefix: on each line it prints."""
     if harness.finished(out):  # a --resume of a finished run
         return harness.finished(out)
     n, opt, scale = args.prompts * args.group, fn["opt"], fn["scale"]
@@ -558,7 +555,7 @@ def run(args, task, fn, center, seed, out):
                 last = hist["diverged_at_step"] = step
                 if "drift" not in row:
                     measure(row, fn["merge"](params, base, scale))
-        harness.log_step(row, args.steps, columns, out)
+        harness.log_step(row, args.steps, columns, out, prefix)
         if step == last:
             break
         if out and args.save_every and (step + 1) % args.save_every == 0:
@@ -569,7 +566,7 @@ def run(args, task, fn, center, seed, out):
         weights = host(fn["merge"](params, base, scale))  # every process takes part
         if not jax.process_index():  # process 0 writes
             hf_checkpoint.save(args.save, task.cfg, weights, task.path)
-    return harness.finish(out, hist, last, args.lr)
+    return harness.finish(out, hist, last, args.lr, prefix)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -577,13 +574,13 @@ def run(args, task, fn, center, seed, out):
 
 
 def compare(args, task):
-    """Centring off, then on, for each seed; with --sweep, at each level of mismatch."""
+    """Centring off, then on, for each seed; with --sweep, at each level of mismatch. --workers runs
+    at once, threads that share the compiled programs: the numbers of one run after another."""
     fn, seeds = build(args, task.cfg, task.eos), args.seeds or [args.seed]
+    tasks = dict.fromkeys(seeds, task)
     if args.task == "sequence":  # its model comes from the seed (GSM8K's does not)
         tasks = {seed: sequence_task(seed, args.eval_n, args.probe_n) for seed in seeds}
-    else:
-        tasks = dict.fromkeys(seeds, task)
-    results = {}
+    results, pool = {}, concurrent.futures.ThreadPoolExecutor(args.workers)
     for sampler, noise in args.sweep or [(args.sampler, args.weight_noise)]:
         level = sampler + (f"_noise{noise:g}" if noise else "")
         level_args = argparse.Namespace(**vars(args) | dict(sampler=sampler, weight_noise=noise))
@@ -593,14 +590,15 @@ def compare(args, task):
             for center in (False, True):
                 name = "centered" if center else "uncentered"
                 name += f"_seed{seed}" if len(seeds) > 1 else ""
-                print(f"\n---- {level} {name}" if args.sweep else f"\n---- {name}", flush=True)
                 out = args.out and os.path.join(args.out, level if args.sweep else "", name)
-                if out:
-                    os.makedirs(out, exist_ok=True)
-                res[name] = run(level_args, tasks[seed], level_fn, center, seed, out)
+                prefix = f"{level} {name}: " if args.sweep else f"{name}: "
+                job = (level_args, tasks[seed], level_fn, center, seed, out, prefix)
+                res[name] = pool.submit(run, *job)
+    pool.shutdown()  # waits for every run
+    results = {level: {k: job.result() for k, job in res.items()} for level, res in results.items()}
     if args.sweep:
         return sweep.report(args, results)
-    return harness.report(args, task.cfg, res)
+    return harness.report(args, task.cfg, results[level])
 
 
 def plan(args, cfg, T0=256):  # T0: the prompt tokens planned for (GSM8K's chat prompts: 100 to 250)
