@@ -130,7 +130,7 @@ def declare(p, recipe):  # recipe: {task: {flag: default}}, the defaults that de
     a("--lr", "constant learning rate", type=float)
     a("--optimizer", "no schedule: nothing confounds drift", choices=optimizers, default="sgd")
     a("--baseline", "r - group mean, or raw r", choices=["group", "none"], default="group")
-    a("--micro-batch", "rows per forward/backward pass (default: largest divisor <= 16)", type=int)
+    a("--micro-batch", "rows a forward/backward pass (default: <= 8,192 tokens)", type=int)
     a("--topk", "sampler head recorded per token; 0: all V (exact)", type=int, default=128)
     a("--tis-cap", "truncated importance sampling, w = min(p/q, C) (default: off)", type=float)
     a("--mis", "masked IS: w = p/q inside LO,HI, else 0 (default: off)", type=csv(float))
@@ -294,9 +294,10 @@ def parse_args(argv, recipe, description):
     chosen = {k for k in recipe[args.task] if getattr(args, k) is not None}
     args.compare = args.compare or bool(args.sweep)  # a sweep is a --compare at every level
     vars(args).update({k: d for k, d in recipe[args.task].items() if k not in chosen})
-    if args.micro_batch is None:  # the largest divisor of B = P·G, <= 16, a multiple of the devices
-        B, devices = args.prompts * args.group, jax.device_count()
-        divisors = [d for d in range(devices, min(B, 16) + 1, devices) if B % d == 0]
+    if args.micro_batch is None:  # the largest divisor of B = P·G, a multiple of the devices, of at
+        B, devices = args.prompts * args.group, jax.device_count()  # most 8,192 completion tokens
+        cap = min(B, 8192 // max(args.max_tokens, 1))  # GSM8K's 512-token completions: 16 rows
+        divisors = [d for d in range(devices, cap + 1, devices) if B % d == 0]
         args.micro_batch = (divisors or [max(B, 1)])[-1]
     args.lora_alpha = args.lora if args.lora_alpha is None else args.lora_alpha
     errors = mistakes(args, chosen)
