@@ -2556,7 +2556,7 @@ def test_relative_paths_to_new_folders_are_accepted(tmp_path, monkeypatch):
 def test_micro_batch_default_fits_small_batches_and_help_shows_defaults(capsys):
     assert train.parse_args(["--prompts", "2", "--group", "2"]).micro_batch == 4
     assert train.parse_args(["--prompts", "32", "--group", "8"]).micro_batch == 16
-    # at most 8,192 completion tokens a pass: 64 rows of 128 tokens, all 32 of the sequence task's 16
+    # at most 8,192 completion tokens a pass: 64 rows of 128; all 32 of the sequence task's 16
     assert train.parse_args(["--max-tokens", "128", "--prompts", "32"]).micro_batch == 64
     assert train.parse_args(["--task", "sequence"]).micro_batch == 32
     with pytest.raises(SystemExit):

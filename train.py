@@ -113,6 +113,19 @@ SHARPEN = 6.0  # the final norm's weight: entropy ~1 nat, top-128 mass > 0.99, a
 TEACHER_TOP = 3  # a completion token earns its reward when p_0 ranks it in its top 3
 
 
+@jax.jit
+def sequence_reward(w, tokens, mask, prompt):  # p_0's w; completions [B, M], prompts [B, 8] -> [B]
+    seq, V = jnp.concatenate([prompt, tokens], 1), SEQUENCE["vocab_size"]
+    pos = jnp.broadcast_to(jnp.arange(seq.shape[1]), seq.shape)
+    with jax.default_matmul_precision("highest"):  # p_0's logits where each token was chosen
+        logits = qwen3.forward(SEQUENCE, w, seq, pos, last=tokens.shape[1] + 1)[0]
+    logits = logits[:, :-1]  # [B, M, V]
+    chosen = jnp.take_along_axis(logits, tokens[..., None], -1)
+    rank = (logits > chosen).sum(-1)  # how many tokens p_0 prefers to the chosen one
+    good = (tokens < V // 2) & (rank < TEACHER_TOP) & mask
+    return good.sum(1) / jnp.maximum(mask.sum(1), 1)
+
+
 def sequence_task(seed, eval_n, probe_n):
     """A tiny Qwen3 p_0 from the seed; prompts of 8 random tokens: 512 to train on, eval_n held out,
     then probe_n for the probe. The reward: the fraction of completion tokens in the lower half of V
@@ -138,20 +151,8 @@ def sequence_task(seed, eval_n, probe_n):
     prompts = rng.integers(0, V, (n + probe_n, 8)).tolist()
     prompts = [(p, p) for p in prompts]  # a prompt is its own "gold": the reward reads it
 
-    @jax.jit
-    def batch_reward(tokens, mask, prompt):  # completions [B, M] of prompts [B, 8] -> [B]
-        seq = jnp.concatenate([prompt, tokens], 1)
-        pos = jnp.broadcast_to(jnp.arange(seq.shape[1]), seq.shape)
-        with jax.default_matmul_precision("highest"):  # p_0's logits where each token was chosen
-            logits = qwen3.forward(cfg, w, seq, pos, last=tokens.shape[1] + 1)[0]
-        logits = logits[:, :-1]  # [B, M, V]
-        chosen = jnp.take_along_axis(logits, tokens[..., None], -1)
-        rank = (logits > chosen).sum(-1)  # how many tokens p_0 prefers to the chosen one
-        good = (tokens < V // 2) & (rank < TEACHER_TOP) & mask
-        return good.sum(1) / jnp.maximum(mask.sum(1), 1)
-
     def reward_of(tokens, mask, golds):
-        return batch_reward(tokens, mask, np.array(golds, np.int32))
+        return sequence_reward(w, tokens, mask, np.array(golds, np.int32))
 
     train, test, probe = prompts[:512], prompts[512:n], [p for p, _ in prompts[n:]]
     return Task(cfg, w, (-1,), 0, train, test, probe, reward_of, None)
