@@ -103,9 +103,11 @@ def plot(file, rows, results):
         fig.savefig(file)
 
 
-def report(args, results):  # results {level: {run: summary}}: the table, summary.json, the figure
-    seeds = args.seeds or [args.seed]
-    print(f"\nsweep: {len(results)} levels x {len(seeds)} seeds x 2 arms, {args.steps} steps")
+def report(args, results, seconds):  # results {level: {run: summary}}: table, summary.json, figure
+    seeds, runs = args.seeds or [args.seed], f"{args.workers} at a time: {seconds:.0f} s"
+    print(
+        f"\nsweep: {len(results)} levels x {len(seeds)} seeds x 2 arms, {args.steps} steps, {runs}"
+    )
     rows = {level: row(res) for level, res in results.items()}
     shown = {level: r | dict(from_step=r["from_step"] or "-") for level, r in rows.items()}
     harness.table("level", shown, COLUMNS)
@@ -113,4 +115,4 @@ def report(args, results):  # results {level: {run: summary}}: the table, summar
     if args.plot and not jax.process_index():
         plot(args.plot, rows, results)
     summary = {level: rows[level] | dict(runs=res) for level, res in results.items()}
-    return harness.write_summary(args.out, dict(levels=summary))
+    return harness.write_summary(args.out, dict(levels=summary, seconds=seconds))

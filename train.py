@@ -3,7 +3,7 @@ trainer's.
 
     python train.py --center                       # Qwen3-0.6B on GSM8K, score-centred
     python train.py --compare --out runs/gsm8k     # centring off, then on: same seed and noise
-    python train.py --task sequence --compare      # what drift costs, on a CPU: about 80 s
+    python train.py --task sequence --compare      # what drift costs, on a CPU: about 40 s
     python train.py --task bandit --baseline none --compare   # the mechanism in seconds
 
 What it is: REINFORCE with a group-mean baseline, whose rollouts come from a copy of the policy that
@@ -579,6 +579,7 @@ def compare(args, task):
     """Centring off, then on, for each seed; with --sweep, at each level of mismatch. --workers runs
     at once, threads that share the compiled programs: the numbers of one run after another."""
     fn, seeds = build(args, task.cfg, task.eos), args.seeds or [args.seed]
+    start = time.perf_counter()  # the sweep's wall-clock time, compiling included
     tasks = dict.fromkeys(seeds, task)
     if args.task == "sequence":  # its model comes from the seed (GSM8K's does not)
         tasks = {seed: sequence_task(seed, args.eval_n, args.probe_n) for seed in seeds}
@@ -599,7 +600,7 @@ def compare(args, task):
     pool.shutdown()  # waits for every run
     results = {level: {k: job.result() for k, job in res.items()} for level, res in results.items()}
     if args.sweep:
-        return sweep.report(args, results)
+        return sweep.report(args, results, time.perf_counter() - start)
     return harness.report(args, task.cfg, results[level])
 
 
