@@ -294,6 +294,8 @@ def parse_args(argv, recipe, description):
     chosen = {k for k in recipe[args.task] if getattr(args, k) is not None}
     args.compare = args.compare or bool(args.sweep)  # a sweep is a --compare at every level
     vars(args).update({k: d for k, d in recipe[args.task].items() if k not in chosen})
+    if jax.process_count() > 1:  # processes enter a run's collectives together: one run at a time
+        args.workers = 1
     if args.micro_batch is None:  # the largest divisor of B = P·G, a multiple of the devices, of at
         B, devices = args.prompts * args.group, jax.device_count()  # most 8,192 completion tokens
         cap = min(B, 8192 // max(args.max_tokens, 1))  # GSM8K's 512-token completions: 16 rows

@@ -2553,6 +2553,13 @@ def test_relative_paths_to_new_folders_are_accepted(tmp_path, monkeypatch):
     assert (args.out, args.save) == ("runs/a", "ckpt/b") and not os.path.exists("runs")
 
 
+def test_several_processes_run_a_compare_one_run_at_a_time(monkeypatch):
+    """Threads of several processes could enter different runs' collectives: one run at a time."""
+    assert train.parse_args("--task sequence --compare --workers 2".split()).workers == 2
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert train.parse_args("--task sequence --compare --workers 2".split()).workers == 1
+
+
 def test_micro_batch_default_fits_small_batches_and_help_shows_defaults(capsys):
     assert train.parse_args(["--prompts", "2", "--group", "2"]).micro_batch == 4
     assert train.parse_args(["--prompts", "32", "--group", "8"]).micro_batch == 16
