@@ -2399,7 +2399,7 @@ def test_gsm8k_compare_runs_both_arms_from_the_same_start(tmp_path, gsm, capsys,
 def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, capsys, monkeypatch):
     """The full LLM loop (sampler, KV cache, int8 + noise, top-k record, train step), shortened: on
     two seeds, uncentred GRPO walks farther and its held-out score falls further than centred
-    GRPO's. Its four runs, two at once (the sequence task's --workers), log what they log one
+    GRPO's. Its four runs, three at once (the sequence task's --workers), log what they log one
     after another, row for row."""
     seen = spy_center(monkeypatch)
     flags = "--task sequence --compare --seeds 0,1 --steps 8 --lr 0.4 --eval-n 128 --probe-n 8"
@@ -2408,7 +2408,8 @@ def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, cap
     lines = capsys.readouterr().out.splitlines()
     one = train.main([*flags.split(), "--workers", "1", "--out", str(tmp_path / "one")])
     assert one == summary
-    for name in (f"{c}_seed{s}" for s in (0, 1) for c in ("uncentered", "centered")):
+    names = [f"{c}_seed{s}" for s in (0, 1) for c in ("uncentered", "centered")]
+    for name in names:
         rows = [
             _strip(map(json.loads, open(tmp_path / d / name / "metrics.jsonl")))
             for d in ("two", "one")
@@ -2424,7 +2425,6 @@ def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, cap
             on,
         )
         assert off["final_drift"] > 1.5 * on["final_drift"] > 0, (off, on)
-    names = [f"{c}_seed{s}" for s in (0, 1) for c in ("uncentered", "centered")]
     table = [line.split() for line in lines if line.split(" ")[0] in names]  # not "name: step"
     assert [row[0] for row in table] == names
     assert float(table[0][3]) == pytest.approx(summary["uncentered_seed0"]["drop"], abs=1e-3)
