@@ -2,10 +2,10 @@
 from the trainer's.
 
 Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning", arXiv 2609.20807
-(2026). Shapes: B rows, T tokens, V vocabulary, k the sampler's top-k head size.
+(2026). Shapes: B rows, T token positions, V vocabulary, k the sampler's top-k head size.
 """
 
-# The derivation, one step per number; its last step sits on the line of code it justifies.
+# The derivation, one step per number; its last step names the line of code it justifies.
 # Notation: prefix h (the prompt and the tokens before t); trainer p(v) = p_θ(v | h);
 # sampler q(v) = q(v | h); score s_v = ∇_θ log p(v); A the rollout's advantage; y the sampled
 # token; z the trainer's logits, with ∇_z log p(v) = e_v − p.
@@ -44,22 +44,137 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    f(r) = r · 1[lo ≤ r ≤ hi], gives m = p · 1[lo ≤ p/q ≤ hi]: a token whose ratio leaves the
 #    band drops out of both terms; the band [0, ∞) is untruncated IS.
 # 10. Top-k: q over a 151k vocabulary at every token is too big to keep, so the sampler records
-#    its head: its top-k ids and their log q, normalised over the full vocabulary. Model the
-#    tail as proportional to the trainer, q̂(v) = ρ p(v) off the head, with
-#    ρ = max(1 − Σ_head q, ε) / max(1 − Σ_head p, ε), ε = 1e-6. By step 2 the tail's score sum
-#    is minus the head's, so Σ_v q̂(v) s_v = Σ_{v∈head} (q(v) − ρ p(v)) s_v: the correction
-#    touches only k logits. With IS the tail's ratio p / q̂ = 1/ρ is constant, its effective
-#    mass is α p with α = ρ f(1/ρ) (TIS: min(1, C ρ); MIS: 1[lo ≤ 1/ρ ≤ hi]), and each head
-#    coefficient is c_v = sg(m_v − α p(v)). When the head is the whole vocabulary the tail is
-#    empty and any α gives the exact formula: one code path serves both.
-# 11. So each trained token contributes −sg(A) · [sg(w_y) log p(y) − Σ_{v∈head} c_v log p(v)],
-#    whose gradient in logit space is −A · [w_y (e_y − p) − Σ_head c_v (e_v − p)]; without IS
-#    and with the whole vocabulary as head, −A · (e_y − q). It is the last line of `loss`.
+#     its head: its top-k ids and their log q, normalised over the full vocabulary. Model the
+#     tail as proportional to the trainer, with ε = EPS:
+#         q̂(v) = ρ p(v) off the head,   ρ = max(1 − Σ_head q, ε) / max(1 − Σ_head p, ε).
+#     By step 2, Σ_tail p(v) s_v = −Σ_head p(v) s_v, so the correction touches only k logits:
+#         Σ_v q̂(v) s_v = Σ_{v∈head} (q(v) − ρ p(v)) s_v.
+#     With IS the tail's ratio p / q̂ = 1/ρ is constant, so the tail's effective mass is α p, and
+#     each head token gets a coefficient c_v:
+#         α = ρ f(1/ρ)   (no IS: ρ; TIS: min(1, C ρ); MIS: 1[lo ≤ 1/ρ ≤ hi]),
+#         c_v = sg(m_v − α p(v)).
+#     When the head is the whole vocabulary the tail is empty and any α gives the exact formula:
+#     one code path serves both.
+# 11. The loss per trained token is step 9's with q̂, whose effective mass m̂ is m on the head
+#     and α p off it. Subtract and add α p(v) on the head, and its centring sum splits in two:
+#         Σ_v sg(m̂_v) log p(v) = Σ_{v∈head} sg(m_v − α p(v)) log p(v) + α Σ_v sg(p(v)) log p(v)
+#                              = Σ_{v∈head} c_v log p(v) − α · entropy(p),
+#     entropy(p) = −Σ_v p(v) log p(v). The last term's gradient, α Σ_v p(v) s_v, is zero by step
+#     2: it enters detached, keeps the value exact and adds no gradient. `loss` ends on
+#         ℓ_t = −sg(A) · [sg(w_y) log p(y) − Σ_{v∈head} c_v log p(v) + sg(α · entropy(p))],
+#     whose gradient in logit space is −A · [w_y (e_y − p) − Σ_head c_v (e_v − p)]; without IS
+#     and with the whole vocabulary as head, −A · (e_y − q).
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 EPS = 1e-6  # floor of the tail masses in the top-k model (step 10)
+
+
+def loss(
+    logits,
+    tokens,
+    mask,
+    advantages,
+    sampler_logprobs,
+    head_ids=None,
+    head_logprobs=None,
+    *,
+    center=True,
+    tis_cap=None,
+    mis=None,
+):
+    """Token-mean policy-gradient loss with optional score centering and truncated or masked IS.
+
+    logits [B, T, V]: the trainer's logits at the positions that predicted `tokens` [B, T];
+    mask [B, T] (True = trained); advantages [B] or [B, T] (a constant);
+    sampler_logprobs [B, T] = log q(tokens);
+    head_ids, head_logprobs [B, T, k]: the sampler's top-k ids and their log q (normalised over the
+    full vocabulary), or head_ids=None and head_logprobs [B, T, V], the full log q (exact centring);
+    tis_cap C: weight min(p/q, C); mis (lo, hi): weight p/q inside the band, 0 outside (not both).
+    Returns (loss, metrics). Ids outside [0, V) raise ValueError on concrete inputs, NaN under jit.
+    """
+    # inputs
+    logits, tokens, mask = jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(mask)
+    advantages, sampler_logprobs = jnp.asarray(advantages), jnp.asarray(sampler_logprobs)
+    head_ids = None if head_ids is None else jnp.asarray(head_ids)  # optional
+    head_logprobs = None if head_logprobs is None else jnp.asarray(head_logprobs)
+    _check_arrays(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs)
+    _check_options(center, tis_cap, mis, head_logprobs)
+    sg = jax.lax.stop_gradient
+    mask = mask.astype(bool)
+    n = jnp.maximum(mask.sum(), 1).astype(jnp.float32)  # trained tokens
+
+    def trained(x):  # inputs at masked tokens may be garbage (NaN, inf): zeroed before any use
+        return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 2)), x, 0)
+
+    def token_mean(x):  # step 8
+        return jnp.where(mask, x, 0.0).sum() / n
+
+    # log-probs and advantages
+    logp = jax.nn.log_softmax(trained(logits.astype(jnp.float32)), axis=-1)  # [B, T, V]
+    logp_y = _gather(logp, tokens[..., None])[..., 0]  # [B, T]
+    logq_y = sg(trained(sampler_logprobs.astype(jnp.float32)))
+    A = sg(advantages.astype(jnp.float32))  # a constant
+    A = trained(A[:, None] if A.ndim == 1 else A)
+
+    # diagnostics
+    log_ratio = sg(logp_y - logq_y)  # log p(y)/q(y)
+    p_logp = jnp.where(logp == -jnp.inf, 0.0, jnp.exp(logp) * logp)  # 0 log 0 = 0 (-inf logits)
+    entropy = sg(-p_logp.sum(-1))  # [B, T]
+    metrics = dict(
+        kl_q_p=token_mean(-log_ratio),
+        logprob_gap=token_mean(jnp.abs(log_ratio)),
+        entropy=token_mean(entropy),
+    )
+
+    # importance weight (step 9)
+    def in_band(log_r):  # masked IS: lo ≤ r ≤ hi
+        return (log_r >= jnp.log(mis[0])) & (log_r <= jnp.log(mis[1]))
+
+    w_y = 1.0
+    if tis_cap is not None:
+        w_y = jnp.exp(jnp.minimum(log_ratio, jnp.log(tis_cap)))
+        metrics["tis_capped"] = token_mean((log_ratio >= jnp.log(tis_cap)).astype(jnp.float32))
+    if mis is not None:
+        w_y = jnp.where(in_band(log_ratio), jnp.exp(log_ratio), 0.0)
+        metrics["mis_masked"] = token_mean((~in_band(log_ratio)).astype(jnp.float32))
+    score = w_y * logp_y  # sg(w_y) log p(y)
+    if head_logprobs is None:  # no sampler distribution: nothing to centre
+        return -token_mean(A * score), metrics
+
+    # tail model (step 10)
+    logq_head = sg(trained(head_logprobs.astype(jnp.float32)))  # [B, T, k]
+    logp_head = logp if head_ids is None else _gather(logp, head_ids)  # [B, T, k]
+    sg_logp_head = sg(logp_head)
+    q_mass, p_mass = jnp.exp(logq_head).sum(-1), jnp.exp(sg_logp_head).sum(-1)  # [B, T]
+    rho = jnp.maximum(1 - q_mass, EPS) / jnp.maximum(1 - p_mass, EPS)  # tail: q̂ = ρ p
+
+    # head coefficients
+    if tis_cap is not None:  # m = min(p, Cq), α = min(1, Cρ)
+        m_head = jnp.exp(jnp.minimum(sg_logp_head, jnp.log(tis_cap) + logq_head))
+        alpha = jnp.minimum(1.0, tis_cap * rho)
+    elif mis is not None:  # m = p 1[band], α = 1[band](1/ρ)
+        m_head = jnp.where(in_band(sg_logp_head - logq_head), jnp.exp(sg_logp_head), 0.0)
+        alpha = in_band(-jnp.log(rho)).astype(jnp.float32)
+    else:  # m = q, α = ρ
+        m_head, alpha = jnp.exp(logq_head), rho
+    c_head = m_head - alpha[..., None] * jnp.exp(sg_logp_head)  # [B, T, k]
+    metrics["head_mass_q"] = token_mean(q_mass)
+    metrics["head_mass_p"] = token_mean(p_mass)
+    metrics["correction"] = token_mean(jnp.abs(c_head).sum(-1))
+
+    # centred score (step 11)
+    if center:
+        score = score - (c_head * logp_head).sum(-1) + alpha * entropy
+    return -token_mean(A * score), metrics
+
+
+def _gather(logp, ids):
+    """logp at ids on the last axis; an id out of range (only under jit) gives NaN, never a wrap."""
+    return jnp.take_along_axis(
+        logp, ids, -1, mode="fill", fill_value=jnp.nan, wrap_negative_indices=False
+    )
 
 
 def _check_arrays(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs):
@@ -76,36 +191,39 @@ def _check_arrays(logits, tokens, mask, advantages, sampler_logprobs, head_ids, 
         raise ValueError(
             f"advantages must be [B] = {(B,)} or [B, T] = {(B, T)}, got {advantages.shape}"
         )
+    _check_head(head_ids, head_logprobs, B, T, V)
+    _check_ids("tokens", tokens, logits.shape)
+    if head_ids is not None:
+        _check_ids("head_ids", head_ids, logits.shape)
+
+
+def _check_head(head_ids, head_logprobs, B, T, V):
+    """Raise ValueError unless the head is [B, T, k] ids and log q, or the full log q alone."""
     if head_ids is None and head_logprobs is not None and head_logprobs.shape != (B, T, V):
         raise ValueError(
             f"head_logprobs without head_ids must be the full sampler log-softmax [B, T, V] = "
             f"{(B, T, V)}, got {head_logprobs.shape}; pass head_ids for a top-k head"
         )
-    if head_ids is not None:
-        if head_logprobs is None:
-            raise ValueError("head_ids given without head_logprobs: pass the sampler's log q there")
-        if (
-            head_ids.ndim != 3
-            or head_ids.shape[:2] != (B, T)
-            or head_logprobs.shape != head_ids.shape
-        ):
-            raise ValueError(
-                f"head_ids and head_logprobs must both be [B, T, k] with B, T = {(B, T)}, got "
-                f"head_ids {head_ids.shape} and head_logprobs {head_logprobs.shape}"
-            )
-    for name, ids in (("tokens", tokens), ("head_ids", head_ids)):
-        if ids is None:
-            continue
-        if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
-        if isinstance(ids, jax.core.Tracer) or not ids.size:  # values unknown under jit: _gather
-            continue
-        lo, hi = int(np.asarray(ids).min()), int(np.asarray(ids).max())
-        if lo < 0 or hi >= V:
-            raise ValueError(
-                f"{name} {ids.shape} holds ids in [{lo}, {hi}], outside [0, V) for logits "
-                f"{logits.shape}"
-            )
+    if head_ids is None:
+        return
+    if head_logprobs is None:
+        raise ValueError("head_ids given without head_logprobs: pass the sampler's log q there")
+    if head_ids.shape[:-1] != (B, T) or head_logprobs.shape != head_ids.shape:
+        raise ValueError(
+            f"head_ids and head_logprobs must both be [B, T, k] with B, T = {(B, T)}, got "
+            f"head_ids {head_ids.shape} and head_logprobs {head_logprobs.shape}"
+        )
+
+
+def _check_ids(name, ids, shape):
+    """Raise ValueError unless ids are integers, and (when their values are known) in [0, V)."""
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    if isinstance(ids, jax.core.Tracer) or not ids.size:  # values unknown under jit: _gather
+        return
+    lo, hi = int(np.asarray(ids).min()), int(np.asarray(ids).max())
+    if lo < 0 or hi >= shape[-1]:
+        raise ValueError(f"{name} holds ids in [{lo}, {hi}], outside [0, V) for logits {shape}")
 
 
 def _check_options(center, tis_cap, mis, head_logprobs):
@@ -130,106 +248,3 @@ def _check_options(center, tis_cap, mis, head_logprobs):
             f"mis must be a band (lo, hi) of ratios p/q with 0 ≤ lo < hi (hi may be inf), "
             f"got {mis}; use None for no importance weight"
         )
-
-
-def _gather(logp, ids):
-    """logp at ids along the last axis; an id out of range (seen only under jit) gives NaN, never a
-    silent wrap or clamp."""
-    return jnp.take_along_axis(
-        logp, ids, -1, mode="fill", fill_value=jnp.nan, wrap_negative_indices=False
-    )
-
-
-def _optional_array(x):  # lists and numpy arrays too
-    return None if x is None else jnp.asarray(x)
-
-
-def loss(
-    logits,
-    tokens,
-    mask,
-    advantages,
-    sampler_logprobs,
-    head_ids=None,
-    head_logprobs=None,
-    *,
-    center=True,
-    tis_cap=None,
-    mis=None,
-):
-    """Token-mean policy-gradient loss with optional score centering and truncated or masked IS.
-
-    logits [B, T, V]: the trainer's logits at the positions that predicted `tokens` [B, T];
-    mask [B, T] (True = trained); advantages [B] or [B, T] (a constant);
-    sampler_logprobs [B, T] = log q(tokens);
-    head_ids, head_logprobs [B, T, k]: the sampler's top-k ids and their log q (normalised over the
-    full vocabulary), or head_ids=None and head_logprobs [B, T, V], the full log q (exact centring);
-    tis_cap C: weight min(p/q, C); mis (lo, hi): weight p/q inside the band, 0 outside (not both).
-    Returns (loss, metrics). Ids outside [0, V) raise ValueError on concrete inputs and give NaN
-    under jit.
-    """
-    logits, tokens, mask = jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(mask)
-    advantages, sampler_logprobs = jnp.asarray(advantages), jnp.asarray(sampler_logprobs)
-    head_ids, head_logprobs = _optional_array(head_ids), _optional_array(head_logprobs)
-    _check_arrays(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs)
-    _check_options(center, tis_cap, mis, head_logprobs)
-    f32, sg, mask = jnp.float32, jax.lax.stop_gradient, mask.astype(bool)
-    n = jnp.maximum(mask.sum(), 1).astype(f32)
-
-    def trained(x):  # inputs at masked tokens may be garbage (NaN, inf): zeroed before any use
-        return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 2)), x, 0)
-
-    def token_mean(x):  # step 8
-        return jnp.where(mask, x, 0.0).sum() / n
-
-    logp = jax.nn.log_softmax(trained(logits.astype(f32)), axis=-1)  # [B, T, V]
-    logp_y = _gather(logp, tokens[..., None])[..., 0]  # [B, T]
-    logq_y = sg(trained(sampler_logprobs.astype(f32)))
-    A = sg(advantages.astype(f32))  # a constant
-    A = trained(A[:, None] if A.ndim == 1 else A)
-
-    log_ratio = sg(logp_y - logq_y)  # log p(y)/q(y)
-    p_logp = jnp.where(logp == -jnp.inf, 0.0, jnp.exp(logp) * logp)  # 0 log 0 = 0 (-inf logits)
-    entropy = sg(-p_logp.sum(-1))  # [B, T]
-    metrics = dict(
-        kl_q_p=token_mean(-log_ratio),
-        logprob_gap=token_mean(jnp.abs(log_ratio)),
-        entropy=token_mean(entropy),
-    )
-
-    def in_band(log_r):  # masked IS: lo ≤ r ≤ hi (step 9)
-        return (log_r >= jnp.log(mis[0])) & (log_r <= jnp.log(mis[1]))
-
-    w_y = 1.0
-    if tis_cap is not None:
-        w_y = jnp.exp(jnp.minimum(log_ratio, jnp.log(tis_cap)))
-        metrics["tis_capped"] = token_mean((log_ratio >= jnp.log(tis_cap)).astype(f32))
-    if mis is not None:
-        w_y = jnp.where(in_band(log_ratio), jnp.exp(log_ratio), 0.0)
-        metrics["mis_masked"] = token_mean((~in_band(log_ratio)).astype(f32))
-    score = w_y * logp_y  # sg(w_y) log p(y)
-
-    if head_logprobs is not None:  # step 10
-        logq_head = sg(trained(head_logprobs.astype(f32)))  # [B, T, k]
-        logp_head = logp if head_ids is None else _gather(logp, head_ids)  # [B, T, k]
-        sg_logp_head = sg(logp_head)
-        q_mass, p_mass = jnp.exp(logq_head).sum(-1), jnp.exp(sg_logp_head).sum(-1)  # [B, T]
-        rho = jnp.maximum(1 - q_mass, EPS) / jnp.maximum(1 - p_mass, EPS)  # tail: q̂ = ρ p
-        if tis_cap is not None:  # m = min(p, Cq), α = min(1, Cρ)
-            m_head = jnp.exp(jnp.minimum(sg_logp_head, jnp.log(tis_cap) + logq_head))
-            alpha = jnp.minimum(1.0, tis_cap * rho)
-        elif mis is not None:  # m = p 1[band], α = 1[band](1/ρ)
-            m_head = jnp.where(in_band(sg_logp_head - logq_head), jnp.exp(sg_logp_head), 0.0)
-            alpha = in_band(-jnp.log(rho)).astype(f32)
-        else:  # m = q, α = ρ
-            m_head, alpha = jnp.exp(logq_head), rho
-        c_head = m_head - alpha[..., None] * jnp.exp(sg_logp_head)  # [B, T, k]
-        metrics.update(
-            head_mass_q=token_mean(q_mass),
-            head_mass_p=token_mean(p_mass),
-            correction=token_mean(jnp.abs(c_head).sum(-1)),
-        )
-        if center:  # step 11; the sg(α · entropy) term has no gradient: with it the value is
-            # step 9's with q̂, Σ_v m̂_v log p(v), exactly
-            score = score - (c_head * logp_head).sum(-1) + alpha * entropy
-    return -token_mean(A * score), metrics
