@@ -1,124 +1,119 @@
 """The toy bandit: the mechanism of drift in seconds, through the very same loss.
 
-    python train.py --task bandit --baseline none --compare
+    python bandit.py    # centring off and on, with an online and a frozen sampler; --plot FILE.png
 
 The policy is a vector of V logits; the sampler's are the trainer's plus a fixed random offset (a
-persistent bias, like a quantiser's). Each rollout is one token (T = 1), rewarded 1 with the arm's
-success probability. With raw rewards (--baseline none) the mean advantage is positive, so the drift
-term of score_centering.py (step 4) pulls the policy toward the sampler at every step; with the
-sampler refreshed from the trainer (online) it walks away without bound, with a frozen one it
-stops (step 5). Drift is measured exactly: TV(p_t, p_0). Letters: B = P·G rows, V arms, k the
-sampler's top-k head size.
+persistent bias, like a quantiser's). Each rollout is one token, rewarded 1 with the arm's success
+probability. With raw rewards the mean advantage is positive, so the drift term of
+score_centering.py (step 4) pulls the policy toward the sampler at every step: refreshed from the
+trainer (online), it walks away without bound; frozen, it stops (step 5). Drift: TV(p_t, p_0).
+Letters: B rows, one rollout each; T = 1 token; V arms, the vocabulary; k = V the sampler's head.
 """
+
+import argparse
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 
-import harness
 import score_centering as sc
 
+V = 16  # arms
+B = 256  # rollouts a step: 32 prompts x a group of 8
+GROUP = 8  # the rollouts of one prompt: --baseline group subtracts their mean
 
-def bandit(args, center, staleness, out=None):
-    """One run; returns the drift TV(p_t, p_0) after every step, and the final numbers."""
+
+def bandit(
+    center, staleness, steps=200, lr=0.5, noise=0.5, baseline="none", seed=0, tis_cap=None, mis=None
+):
+    """One run of plain SGD: the drift TV(p_t, p_0) after each step (curve), the final numbers."""
 
     def tv(a, b):  # total variation between the softmaxes of two logit vectors
         return float(0.5 * jnp.abs(jax.nn.softmax(a) - jax.nn.softmax(b)).sum())
 
-    k_success, k_bias, key = jax.random.split(jax.random.PRNGKey(args.seed), 3)
-    success = jax.random.uniform(k_success, (args.arms,), minval=0.45, maxval=0.55)  # small signal
-    bias = args.weight_noise * jax.random.normal(k_bias, (args.arms,))  # drawn once: persistent
-    B, k = args.prompts * args.group, min(args.topk or args.arms, args.arms)
-    opt = getattr(optax, args.optimizer)(args.lr)
+    # the toy: arms' success rates and the sampler's offset
+    k_success, k_bias, key = jax.random.split(jax.random.PRNGKey(seed), 3)
+    success = jax.random.uniform(k_success, (V,), minval=0.45, maxval=0.55)  # small signal
+    bias = noise * jax.random.normal(k_bias, (V,))  # drawn once: persistent
+    mask = jnp.ones((B, 1), bool)  # [B, T]: every token trained
+    options = dict(center=center, tis_cap=tis_cap, mis=mis)  # the loss's switches
 
     @jax.jit
-    def step(theta, opt_state, sampler_logits, key):
+    def step(theta, sampler_logits, key):
+        # sample and score
         k_arm, k_reward = jax.random.split(key)
         logq = jax.nn.log_softmax(sampler_logits)  # [V]
-        arms = jax.random.categorical(k_arm, logq, shape=(B, 1))  # [B, T = 1]
-        r = jax.random.bernoulli(k_reward, success[arms[:, 0]]).astype(jnp.float32)  # [B]
-        head_logq, head_ids = jax.lax.top_k(logq, k)
-        head_ids, head_logq = (jnp.broadcast_to(x, (B, 1, k)) for x in (head_ids, head_logq))
-        adv = r  # raw rewards, or minus the mean of their group of G (as train.advantage)
-        if args.baseline == "group":
-            adv = r - r.reshape(-1, args.group).mean(1).repeat(args.group)
+        y = jax.random.categorical(k_arm, logq, shape=(B, 1))  # [B, T]
+        head_logq, head_ids = jax.lax.top_k(logq, V)  # [k]: the head the sampler records, all arms
+        head_ids, head_logq = (jnp.broadcast_to(x, (B, 1, V)) for x in (head_ids, head_logq))
+        r = jax.random.bernoulli(k_reward, success[y[:, 0]]).astype(jnp.float32)  # [B]
+        adv = r - r.reshape(-1, GROUP).mean(1).repeat(GROUP) if baseline == "group" else r
 
+        # score-centred loss
         def loss(theta):
-            logits = jnp.broadcast_to(theta, (B, 1, args.arms))  # [B, T = 1, V]
-            mask = jnp.ones((B, 1), bool)
-            return sc.loss(
-                logits,
-                arms,
-                mask,
-                adv,
-                logq[arms],
-                head_ids,
-                head_logq,
-                center=center,
-                tis_cap=args.tis_cap,
-                mis=args.mis,
-            )
+            logits = jnp.broadcast_to(theta, (B, 1, V))  # [B, T, V]: one policy for all rows
+            return sc.loss(logits, y, mask, adv, logq[y], head_ids, head_logq, **options)[0]
 
-        (_, m), g = jax.value_and_grad(loss, has_aux=True)(theta)
-        updates, opt_state = opt.update(g, opt_state, theta)
-        m = dict(m, reward=r.mean(), grad_norm=optax.tree.norm(g))
-        return optax.apply_updates(theta, updates), opt_state, m
+        return theta - lr * jax.grad(loss)(theta)  # plain SGD
 
-    theta0 = jnp.zeros(args.arms)
-    theta, opt_state, curve = theta0, opt.init(theta0), []
-    for i in range(args.steps):
+    # train
+    theta = theta0 = jnp.zeros(V)
+    curve = []
+    for i in range(steps):
         if i % (staleness + 1) == 0:
-            sampler_logits = theta + bias  # refreshed from the trainer
-        theta, opt_state, m = step(theta, opt_state, sampler_logits, jax.random.fold_in(key, i))
+            sampler_logits = theta + bias  # refreshed from the trainer (staleness >= steps: frozen)
+        theta = step(theta, sampler_logits, jax.random.fold_in(key, i))
         curve.append(tv(theta, theta0))
-        if out is not None and ((i + 1) % args.eval_every == 0 or i in (0, args.steps - 1)):
-            row = dict({k: float(v) for k, v in m.items()}, step=i + 1, drift=curve[-1])
-            columns = [c for c in harness.COLUMNS if c in row]
-            harness.log_step(row, args.steps, columns, out)
-    return dict(
-        drift=curve[-1],
-        gap=tv(theta0 + bias, theta0),
-        reward=float(jax.nn.softmax(theta) @ success),
-        best_arm=float(success.max()),
-        curve=curve,
+    gap = tv(theta0 + bias, theta0)  # TV(q, p) at the start
+    reward = float(jax.nn.softmax(theta) @ success)  # the final policy's expected reward
+    return dict(drift=curve[-1], gap=gap, reward=reward, best_arm=float(success.max()), curve=curve)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument(
+        "--baseline", choices=["none", "group"], default="none", help="r, or r - its group's mean"
     )
+    p.add_argument("--steps", type=int, default=200, help="SGD steps")
+    p.add_argument("--lr", type=float, default=0.5, help="learning rate")
+    p.add_argument("--noise", type=float, default=0.5, help="std of the sampler's logit offset")
+    p.add_argument("--tis-cap", type=float, help="truncated IS, w = min(p/q, C)")
+    p.add_argument("--seed", type=int, default=0, help="of the toy and of the rollouts")
+    p.add_argument("--plot", metavar="FILE", help="draw drift against steps into FILE.png")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.lr <= 0 or (args.tis_cap is not None and args.tis_cap <= 0):
+        p.error("--steps, --lr and --tis-cap must be > 0 (omit --tis-cap for no IS)")
+    if args.plot:  # before the runs: fails now if it is not installed
+        from matplotlib.figure import Figure  # optional; no pyplot: no window
 
+    # run the four
+    options = {k: v for k, v in vars(args).items() if k != "plot"}  # bandit's keywords
+    runs = {}
+    for sampler, staleness in (("online", 0), ("frozen", args.steps)):
+        for center in (False, True):
+            runs[f"{sampler} {'on' if center else 'off'}"] = bandit(center, staleness, **options)
 
-def report(args, runs):  # runs {(sampler, centred): bandit result}
+    # print the table
     print(
-        f"\n{args.arms} arms, sampler logit offset std {args.weight_noise}, "
-        f"baseline {args.baseline}, {args.steps} steps, lr {args.lr}, seed {args.seed}; "
-        f"gap TV(q, p) {runs['online', 0]['gap']:.3f}"
+        f"{V} arms, sampler logit offset std {args.noise}, baseline {args.baseline}, {args.steps} "
+        f"steps, lr {args.lr}, seed {args.seed}; gap TV(q, p) {runs['online off']['gap']:.3f}"
     )
-    rows = {f"{s} {'on' if c else 'off'}": r for (s, c), r in runs.items()}
-    harness.table("sampler centring", rows, {"drift": "{:.3f}", "reward": "{:.3f}"})
-    for (s, c), r in runs.items():
-        rows = [
-            dict(sampler=s, center=bool(c), step=i + 1, drift=d) for i, d in enumerate(r["curve"])
-        ]
-        harness.append_rows(args.out, rows)
+    print(f"{'sampler centring':22s} {'drift':>5} {'reward':>6}")
+    for name, r in runs.items():
+        print(f"{name:22s} {r['drift']:5.3f} {r['reward']:6.3f}")
+
+    # the figure: drift against steps, online solid, frozen dashed; off red, on blue
     if args.plot:
-        x = np.arange(1, args.steps + 1)
-        curves = {}
-        for s, line in (("online", "-"), ("frozen", "--")):
-            for c in (0, 1):  # off red, on blue
-                label = f"{s} sampler, centring {'on' if c else 'off'}"
-                curves[label] = (x, runs[s, c]["curve"], "rb"[c] + line)
-        curves["sampler gap at start"] = (x[[0, -1]], [runs["online", 0]["gap"]] * 2, "k:")
-        harness.plot(args.plot, [("Toy bandit, raw rewards", "drift  TV(p_t, p_0)", curves)])
-    summary = {
-        f"{s}_{'centered' if c else 'uncentered'}": {k: v for k, v in r.items() if k != "curve"}
-        for (s, c), r in runs.items()
-    }
-    return harness.write_summary(args.out, summary)
+        ax = Figure(figsize=(5.5, 3.3), dpi=100, layout="tight").subplots()
+        for name, r in runs.items():
+            style = ("r" if name.endswith("off") else "b") + ("-" if "online" in name else "--")
+            ax.plot(range(1, args.steps + 1), r["curve"], style, label=name)
+        ax.axhline(r["gap"], color="k", ls=":", lw=0.8, label="sampler gap at start")
+        title = f"Toy bandit, {'raw rewards' if args.baseline == 'none' else 'group baseline'}"
+        ax.set(xlabel="step", ylabel="drift  TV(p_t, p_0)", title=title)
+        ax.legend(title="sampler, centring", fontsize=7, title_fontsize=7, frameon=False)
+        ax.figure.savefig(args.plot)
+    return runs
 
 
-def run(args):
-    """One run, or --compare: centring off and on, each with an online and a frozen sampler."""
-    if not args.compare:
-        res = bandit(args, args.center, args.staleness, args.out or "")
-        return harness.write_summary(args.out, {k: v for k, v in res.items() if k != "curve"})
-    samplers = (("online", 0), ("frozen", args.steps))
-    runs = {(s, c): bandit(args, c, staleness) for s, staleness in samplers for c in (0, 1)}
-    return report(args, runs)
+if __name__ == "__main__":
+    main()
