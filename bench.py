@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import hf_checkpoint
 import qwen3
+import tasks
 import train
 
 QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024)  # Qwen3-0.6B's config
@@ -150,7 +151,7 @@ def parse_args(argv=None):  # the flags and the model's config; a mistake: one l
         p.error(f"--rows {args.rows} must be a multiple of the {jax.device_count()} devices")
     if args.out and os.path.exists(args.out):
         p.error(f"--out {args.out} exists: name a new file")
-    cfg = train.SEQUENCE if args.tiny else QWEN3_06B
+    cfg = tasks.SEQUENCE if args.tiny else QWEN3_06B
     try:
         cfg = hf_checkpoint.read_json(args.config) if args.config else cfg
         hf_checkpoint.check_config(cfg, args.config)

@@ -1,0 +1,113 @@
+"""--compare: centring off, then on, from the same seed, weights, data, noise and keys, for each
+seed; with --sweep, at each level of mismatch (sweep.py reads those). The runs share their compiled
+programs and go --workers at a time, in threads; each run's numbers are those it has alone."""
+
+import argparse
+import concurrent.futures
+import os
+import time
+
+import jax
+import numpy as np
+
+import harness
+import sweep
+import tasks
+
+
+def compare(args, task, fn, run):
+    """Every run of a --compare or --sweep; returns the report's summary. fn: train.build's
+    programs; run(args, task, fn, center, seed, out, prefix) -> a run's summary (train.run)."""
+    start = time.perf_counter()  # the sweep's wall-clock time, compiling included
+    seeds = args.seeds or [args.seed]
+    by_seed = dict.fromkeys(seeds, task)
+    if args.task == "sequence":  # its model comes from the seed (GSM8K's does not)
+        by_seed = {seed: tasks.sequence_task(seed, args.eval_n, args.probe_n) for seed in seeds}
+    results, pool = {}, concurrent.futures.ThreadPoolExecutor(args.workers)
+    for sampler, noise in args.sweep or [(args.sampler, args.weight_noise)]:
+        level = sampler + (f"_noise{noise:g}" if noise else "")
+        level_args = argparse.Namespace(**vars(args) | dict(sampler=sampler, weight_noise=noise))
+        results[level] = {}
+        for seed in seeds:
+            for center in (False, True):
+                name = ("centered" if center else "uncentered") + (
+                    f"_seed{seed}" if args.seeds else ""
+                )
+                out = args.out and os.path.join(args.out, level if args.sweep else "", name)
+                prefix = f"{level} {name}: " if args.sweep else f"{name}: "
+                job = (level_args, by_seed[seed], fn, center, seed, out, prefix)
+                results[level][name] = pool.submit(run, *job)
+    pool.shutdown()  # waits for every run
+    results = {level: {k: job.result() for k, job in res.items()} for level, res in results.items()}
+    if args.sweep:
+        return sweep.report(args, results, time.perf_counter() - start)
+    return report(args, task.cfg, results[level])
+
+
+def verdict(runs, score="accuracy"):  # runs: [{"uncentered": summary, "centered": summary}], seeds
+    def mean(arm, k):  # over the seeds, in points
+        return 100 * float(np.mean([r[arm][k] for r in runs]))
+
+    du, dc = mean("uncentered", "drop"), mean("centered", "drop")
+    fu, fc = mean("uncentered", "final_acc"), mean("centered", "final_acc")
+    facts = (
+        f"drop {dc:.1f} points centred vs {du:.1f} uncentred, final {score} {fc:.1f} vs {fu:.1f} "
+        f"(means over {len(runs)} seed{'s' * (len(runs) > 1)})"
+    )
+    if dc <= 2 and du - dc >= 3 and fc >= fu - 1.5:
+        return "verdict: centring VALIDATED: " + facts
+    if abs(du - dc) < 3:
+        return "verdict: WITHIN SEED NOISE (drops differ by < 3 points): " + facts
+    return (
+        "verdict: centring NOT validated (needs a drop <= 2 points, >= 3 smaller than uncentred, "
+        f"and a final {score} at most 1.5 below): " + facts
+    )
+
+
+def report(args, cfg, res):  # --compare: table, verdict, figure; res {run: summary}, off/on pairs
+    print(
+        f"\n{cfg['num_hidden_layers']}-layer Qwen3, --sampler {args.sampler}, "
+        f"--kv-quant {args.kv_quant}, --weight-noise {args.weight_noise}, "
+        f"--staleness {args.staleness}, {args.steps} steps, lr {args.lr}"
+    )
+    runs = list(res.values())  # uncentred, centred, seed by seed
+    by_seed = [dict(uncentered=u, centered=c) for u, c in zip(runs[::2], runs[1::2], strict=True)]
+    columns = dict(peak_acc="{:.3f}", final_acc="{:.3f}", drop="{:.3f}", final_drift="{:.2e}")
+    columns["mean_kl_q_p"] = "{:+.2e}"
+    means = {
+        f"mean {arm}": {k: np.mean([r[arm][k] for r in by_seed]) for k in columns}
+        for arm in ("uncentered", "centered")
+    }
+    harness.table("run", res | means, columns)
+    gsm8k = args.task == "gsm8k"
+    score, name = ("accuracy", "GSM8K") if gsm8k else ("held-out score", "sequence task")
+    summary = dict(res, verdict=verdict(by_seed, score))
+    print(summary["verdict"])
+    if args.plot and not jax.process_index():
+        # off red, on blue; a dash per seed
+        style = {k: "rb"[i % 2] + ("-", "--", "-.", ":")[i // 2 % 4] for i, k in enumerate(res)}
+
+        def curves(key):
+            return {
+                k: (list(map(int, r[key])), list(r[key].values()), style[k]) for k, r in res.items()
+            }
+
+        panels = [(name, f"greedy {score}", curves("eval_acc"))]
+        panels.append((name, "drift  KL(p_0 || p_t) on the probe", curves("drift")))
+        plot(args.plot, panels)
+    return harness.write_summary(args.out, summary)
+
+
+def plot(file, panels):  # panels: [(title, y label, {label: (x, y, matplotlib style)})], in a row
+    from matplotlib.figure import Figure  # no pyplot: no window, no global state
+
+    fig = Figure(figsize=(5.5 * len(panels), 3.3), dpi=100, layout="tight")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (title, ylabel, curves) in zip(axes, panels, strict=True):
+        for label, (x, y, style) in curves.items():
+            ax.plot(x, y, style, label=label, lw=0.8 if style.endswith(":") else 1.5)
+        ax.set(xlabel="step", ylabel=ylabel, title=title)
+        ax.legend(fontsize=7, frameon=False)
+    os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
+    with harness.LOCK:
+        fig.savefig(file)

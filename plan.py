@@ -1,0 +1,76 @@
+"""--plan: the memory per device a run needs, from config.json alone: train.py's sampler and train
+step compiled on the shapes and shardings of its weights, optimizer state, rollouts and KV cache,
+nothing allocated. B = P·G rollouts, T0 prompt and M completion tokens, L layers."""
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+import harness
+import qwen3
+
+
+def plan(args, cfg, fn, shardings, lora_init, T0=256):
+    """--plan: the sampler and the train step compiled on shapes and shardings alone; prints and
+    returns the bytes per device. fn: train.build's programs; shardings, lora_init: train's FSDP
+    layout and LoRA adapters; T0: the prompt tokens planned for (GSM8K's: 100 to 250)."""
+    top, layers = qwen3.layout(cfg)
+    L, mesh = cfg["num_hidden_layers"], fn.mesh
+    B, M, key = args.prompts * args.group, args.max_tokens, jax.random.PRNGKey(0)  # B = P·G
+
+    def placed(tree, where):  # abstract arrays: the shapes and dtypes of tree, on `where` shardings
+        return jax.tree.map(lambda x, s: x.update(sharding=s), tree, where)
+
+    def everywhere(spec, tree):
+        return jax.tree.map(lambda _: NamedSharding(mesh, spec), tree)
+
+    def size(tree):  # bytes per device
+        leaves = jax.tree.leaves(tree)
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+
+    def trained(tree):  # FSDP shards; LoRA: the adapters and their state whole on every device
+        return everywhere(PartitionSpec(), tree) if args.lora else shardings(tree, mesh)
+
+    w = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, (_, _, s) in top.items()}
+    w["layers"] = {k: jax.ShapeDtypeStruct((L, *s), jnp.float32) for k, (_, _, s) in layers.items()}
+    w16 = jax.tree.map(lambda x: x.update(dtype=jnp.bfloat16), w)
+    w16 = placed(w16, everywhere(PartitionSpec(), w16))  # the sampler's copy
+    w = placed(w, shardings(w, mesh))
+    params = jax.eval_shape(partial(lora_init, rank=args.lora), w, key=key) if args.lora else w
+    state = jax.eval_shape(fn.opt.init, params)
+    params, state = placed(params, trained(params)), placed(state, trained(state))
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    prompt = jax.ShapeDtypeStruct((B, T0), jnp.int32, sharding=rows)  # and pos
+    batch = jax.eval_shape(fn.samplers(args.sampler), w16, prompt, prompt, key)
+    batch |= dict(prompt=prompt, pos=prompt, adv=jax.ShapeDtypeStruct((B,), jnp.float32))
+    batch = placed(batch, everywhere(PartitionSpec("data"), batch))
+    s = fn.samplers(args.sampler).lower(w16, prompt, prompt, key).compile().memory_analysis()
+    step = fn.steps[args.center]
+    t = step.lower(params, state, batch, w if args.lora else None).compile().memory_analysis()
+    kv = 2 * L * B // mesh.size * (T0 + M) * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    rows = {  # kv: K and V in bf16
+        "weights": size(w),
+        "adapters": size(params) * bool(args.lora),
+        "gradients": size(params),
+        "optimizer state": size(state),
+        "sampler weights": size(w16),
+        "kv cache": kv,
+        "sampler temporaries": s.temp_size_in_bytes,
+        "train step arguments": t.argument_size_in_bytes,
+        "train step temporaries": t.temp_size_in_bytes,
+    }  # the peaks add what is resident meanwhile
+    sampling = s.argument_size_in_bytes + s.output_size_in_bytes + s.temp_size_in_bytes
+    stepping = t.argument_size_in_bytes + t.output_size_in_bytes - t.alias_size_in_bytes
+    resident = rows["weights"] + rows["adapters"] + rows["optimizer state"]
+    rows["peak while sampling"] = resident + sampling
+    rows["peak in the train step"] = rows["sampler weights"] + stepping + t.temp_size_in_bytes
+    lora = f", LoRA {args.lora}" if args.lora else ""
+    shape = f"{B} rollouts x ({T0} + {M} tokens), micro-batch {args.micro_batch}"
+    print(f"--plan: {L}-layer Qwen3, {shape}, {args.optimizer}{lora}, {mesh.size} devices")
+    harness.table(
+        "per device", {k: dict(MiB=v / 2**20) for k, v in rows.items()}, dict(MiB="{:10,.1f}")
+    )
+    return rows

@@ -1,0 +1,237 @@
+"""What train.py trains on: a model, prompts to train on and held-out ones, each with its gold
+answer, the drift meter's probe prompts, and a batch reward. Two tasks: GSM8K with a Qwen3
+checkpoint, and a CPU sequence task on a tiny Qwen3 that shows what drift costs.
+B rows, M completion tokens, V vocabulary, L layers."""
+
+import json
+import math
+import os
+import re
+import shutil
+import urllib.request
+from collections import namedtuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import hf_checkpoint
+import qwen3
+
+# train, test: [(prompt tokens, gold)]; probe: [prompt tokens];
+# reward(tokens [B, M], mask [B, M], golds) -> [B]; path: the checkpoint's folder (or None)
+Task = namedtuple("Task", "cfg weights eos pad train test probe reward path")
+
+RECIPE = {  # per task, the defaults of the flags that depend on it
+    "gsm8k": dict(
+        steps=100,
+        lr=0.01,
+        prompts=32,
+        max_tokens=512,
+        eval_every=10,
+        eval_n=500,
+        sampler="bf16",  # the mismatch: a clean bf16 sampler
+        weight_noise=0.0,
+        workers=1,  # runs at once: each needs the accelerator's memory
+    ),
+    "sequence": dict(
+        steps=150,
+        lr=0.1,
+        prompts=4,
+        max_tokens=16,
+        eval_every=10,
+        eval_n=256,
+        sampler="int8",  # the mismatch: W8A8 and 10% fixed weight noise
+        weight_noise=0.1,
+        workers=3,  # runs at once: its steps are too small to fill a CPU's cores
+    ),
+}
+
+# -------------------------------------------------------------------------------------------------
+# GSM8K: grade-school maths in Qwen3's chat markup, rewarded 1 when the last number is the answer
+
+INSTRUCTION = (
+    "\nSolve the problem step by step, then give the final answer as a number on the last line."
+)
+GSM8K_URL = (
+    "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/"
+)
+
+
+def normalise(number):  # "$1,234.50" -> "1234.5", "18.0" -> "18"
+    s = number.strip().replace(",", "").replace("$", "")
+    return s.rstrip("0").rstrip(".") if "." in s else s
+
+
+def reward(completion, gold):  # 1 when the completion's last number is the gold answer
+    numbers = re.findall(r"-?\$?\d[\d,]*(?:\.\d+)?", completion)
+    return float(bool(numbers) and normalise(numbers[-1]) == gold)
+
+
+def gsm8k_task(model, data_dir, eval_n, probe_n, place=None):
+    """GSM8K in Qwen3's chat markup; the first eval_n test problems are held out, the first probe_n
+    are the probe. place(shapes): the weights' shardings, read straight from the checkpoint."""
+    train_set = read_gsm8k(data_dir, "train")
+    test_set = read_gsm8k(data_dir, "test")
+    ckpt = hf_checkpoint.load(model, place=place)
+    tok = ckpt.tokenizer
+    if tok is None:
+        raise ValueError(f"{model} has no tokenizer files (vocab.json or tokenizer.json)")
+
+    def chat(problems):
+        return [(tok.chat(question + INSTRUCTION), gold) for question, gold in problems]
+
+    def batch_reward(tokens, mask, golds):  # each completion's text ends at its EOS
+        texts = [
+            tok.decode([t for t in row[m] if t not in tok.eos_ids])
+            for row, m in zip(tokens, mask, strict=True)
+        ]
+        return [reward(text, gold) for text, gold in zip(texts, golds, strict=True)]
+
+    probe = [prompt for prompt, _ in chat(test_set[:probe_n])]
+    train, test = chat(train_set), chat(test_set[:eval_n])
+    return Task(
+        ckpt.cfg, ckpt.weights, tok.eos_ids, tok.pad_id, train, test, probe, batch_reward, ckpt.path
+    )
+
+
+def read_gsm8k(data_dir, split):
+    """[(question, normalised gold answer)] of a split; without data_dir, downloaded once and
+    cached in ~/.cache/score-centering/gsm8k."""
+    cache = os.path.expanduser("~/.cache/score-centering")
+    path = os.path.join(data_dir or os.path.join(cache, "gsm8k"), f"{split}.jsonl")
+    if not os.path.exists(path):
+        _download(path, split, fresh=not os.path.exists(cache), cache=cache)
+    problems = []
+    for n, line in enumerate(open(path, "rb").read().split(b"\n"), 1):
+        if line.strip():  # blank lines (a trailing one, say) are not problems
+            problems.append(_problem(line, f"{path}:{n}"))
+    if not problems:
+        raise ValueError(
+            f"{path} holds no problems: pass --data-dir with GSM8K's train.jsonl and test.jsonl"
+        )
+    return problems
+
+
+def _problem(line, where):  # one line of GSM8K's jsonl -> (question, normalised gold)
+    try:
+        row = json.loads(line.decode("utf-8"))
+        gold = normalise(row["answer"].split("####")[1])
+        if not re.fullmatch(r"-?\d+(\.\d+)?", gold):
+            raise ValueError(f"the gold answer {gold!r} is not a number")
+        return row["question"], gold
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        raise ValueError(
+            f"{where}: not a GSM8K line with a 'question' and an 'answer' ending in "
+            f"'#### <number>' ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _download(path, split, fresh, cache):  # GSM8K's split from GitHub, through a .part file
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+
+    def progress(n, size, total):
+        done, total = min(n * size, total) / 1e6, total / 1e6
+        print(f"\rdownloading GSM8K {split}: {done:.1f} / {total:.1f} MB", end="")
+
+    try:
+        urllib.request.urlretrieve(GSM8K_URL + f"{split}.jsonl", path + ".part", progress)
+    except OSError as e:
+        if fresh:  # no empty cache folder left behind
+            shutil.rmtree(cache)
+        raise ValueError(
+            f"GSM8K could not be downloaded from GitHub ({getattr(e, 'reason', e)}): pass "
+            "--data-dir with train.jsonl and test.jsonl"
+        ) from None
+    os.replace(path + ".part", path)
+    print()
+
+
+# -------------------------------------------------------------------------------------------------
+# The sequence task: what drift costs, on the LLM code path, on a CPU
+
+SEQUENCE = dict(  # a tiny Qwen3
+    model_type="qwen3",
+    vocab_size=1024,
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    head_dim=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+)
+SHARPEN = 6.0  # the final norm's weight: entropy ~1 nat, top-128 mass > 0.99, as a trained LM
+TEACHER_TOP = 3  # a completion token earns its reward when p_0 ranks it in its top 3
+
+
+@jax.jit
+def sequence_reward(w, tokens, mask, prompt):  # p_0's w; completions [B, M], prompts [B, 8] -> [B]
+    seq, V = jnp.concatenate([prompt, tokens], 1), SEQUENCE["vocab_size"]
+    pos = jnp.broadcast_to(jnp.arange(seq.shape[1]), seq.shape)
+    with jax.default_matmul_precision("highest"):  # p_0's logits where each token was chosen
+        logits = qwen3.forward(SEQUENCE, w, seq, pos, last=tokens.shape[1] + 1)[0]
+    logits = logits[:, :-1]  # [B, M, V]
+    chosen = jnp.take_along_axis(logits, tokens[..., None], -1)
+    rank = (logits > chosen).sum(-1)  # how many tokens p_0 prefers to the chosen one
+    good = (tokens < V // 2) & (rank < TEACHER_TOP) & mask
+    return good.sum(1) / jnp.maximum(mask.sum(1), 1)
+
+
+def sequence_task(seed, eval_n, probe_n):
+    """A tiny Qwen3 p_0 from the seed; prompts of 8 random tokens: 512 to train on, eval_n held out,
+    then probe_n for the probe. The reward: the fraction of completion tokens in the lower half of V
+    that p_0 ranks in its top 3 at the prefix the policy wrote, a preference to learn while staying
+    fluent by p_0's standard (the stand-in for a pretrained LM's competence, which drift erodes)."""
+    cfg, rng = dict(SEQUENCE), np.random.default_rng(seed)
+    V, L = cfg["vocab_size"], cfg["num_hidden_layers"]
+    top, layers = qwen3.layout(cfg)
+
+    def init(shape, hf_shape):  # a norm's weight: ones (the final norm: SHARPEN); N(0, 1/fan-in)
+        if len(hf_shape) == 1:
+            return np.ones(shape, np.float32)
+        return rng.standard_normal(shape, np.float32) * hf_shape[-1] ** -0.5  # torch's [out, in]
+
+    w = {name: init(shape, hf) for name, (_, hf, shape) in top.items()}
+    w["norm"] = w["norm"] * SHARPEN
+    w["layers"] = {name: init((L, *shape), hf) for name, (_, hf, shape) in layers.items()}
+    w = jax.tree.map(jnp.asarray, w)
+    n = 512 + eval_n
+    prompts = rng.integers(0, V, (n + probe_n, 8)).tolist()
+    prompts = [(p, p) for p in prompts]  # a prompt is its own "gold": the reward reads it
+
+    def reward_of(tokens, mask, golds):
+        return sequence_reward(w, tokens, mask, np.array(golds, np.int32))
+
+    train, test, probe = prompts[:512], prompts[512:n], [p for p, _ in prompts[n:]]
+    return Task(cfg, w, (-1,), 0, train, test, probe, reward_of, None)
+
+
+# -------------------------------------------------------------------------------------------------
+# Loading: every check that config.json allows, before any download of data or weights
+
+
+def load(args, place=None):  # the task of the flags (--plan: the model's config.json)
+    cfg = SEQUENCE if args.task == "sequence" else hf_checkpoint.config(args.model)[0]
+    check_against_model(cfg, args)
+    if args.plan:
+        return cfg
+    if args.task == "sequence":
+        return sequence_task(args.seed, args.eval_n, args.probe_n)
+    return gsm8k_task(args.model, args.data_dir, args.eval_n, args.probe_n, place)
+
+
+def check_against_model(cfg, args):  # the flags that the model's config.json can refuse
+    V, n_pos = cfg["vocab_size"], cfg.get("max_position_embeddings", math.inf)
+    name = "the sequence task" if args.task == "sequence" else args.model
+    if args.topk > V:
+        raise ValueError(f"--topk {args.topk} exceeds the {V} tokens of {name}")
+    if args.topk == 0 and V > 4096:
+        raise ValueError(f"--topk 0 records q over all {V} tokens of {name}: use --topk 128")
+    if args.max_tokens >= n_pos:
+        raise ValueError(
+            f"--max-tokens {args.max_tokens} reaches past the {n_pos} positions of {name}"
+        )
