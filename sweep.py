@@ -1,23 +1,31 @@
-"""When does centring pay? `train.py --sweep` runs --compare (centring off, then on, same seeds)
-at each level of mismatch; this file reads those runs.
+"""When does centring pay, and is the sweep sure of it? `train.py --sweep` runs --compare
+(centring off, then on, same seeds) at each level of mismatch; this file reads those runs.
 
-    python train.py --task sequence --sweep --seeds 0,1,2 --steps 600 --eval-every 50 --plot s.png
+    python train.py --task sequence --sweep --seeds 0,...,7 --steps 600 --eval-every 50 --plot s.png
 
 One row per level: the sampler's measured mismatch (kl_q_p, the token mean of log q - log p on the
-rollouts, not the nominal noise), the drift of each arm at the end, the held-out score of each arm
-at the end and at its peak, and the gain from centring: centred minus uncentred held-out score of
-the same seed, in points, its mean and spread (the sample standard deviation) over the seeds, and
-the first evaluation step from which the mean gain exceeds its spread at every later evaluation.
+rollouts, not the nominal noise), the final drift of each arm and their ratio, the held-out score
+of each arm at the end, and the gain from centring: centred minus uncentred held-out score of the
+same seed, in points, each the mean of the run's last LAST evaluations. Over the seeds the gain has
+a mean and a 95% paired t-interval, the drift ratio a geometric mean and its interval; the verdict
+reads the gain's interval ("pays", "costs", or the largest effect it leaves possible), and
+from_step is the first evaluation from which the gain's interval stays above 0. The same gain and
+ratio at every evaluation step (the long horizon) go to summary.json, a table and a figure.
 """
+
+import functools
+import math
+import os
 
 import jax
 import numpy as np
 
 import harness
 
-COLUMNS = dict(kl_q_p="{:9.2e}", drift_u="{:7.2f}", drift_c="{:7.2f}", final_u="{:7.3f}")
-COLUMNS |= dict(final_c="{:7.3f}", peak_u="{:6.3f}", peak_c="{:6.3f}", gain="{:+6.1f}")
-COLUMNS |= dict(spread="{:6.1f}", from_step="{:>9}")
+# a run's score at its end: the mean of its last 4 evaluations. One evaluation's noise is 1 to 2
+# points; four halve it (if independent), and at --eval-every 50 of 600 steps they stay in the
+# last quarter of the run (steps 450 to 600): the end, not the path there
+LAST = 4
 
 
 def by_seed(res):  # {run: summary}, run after run as --compare makes them -> [(uncentred, centred)]
@@ -25,77 +33,188 @@ def by_seed(res):  # {run: summary}, run after run as --compare makes them -> [(
     return list(zip(runs[::2], runs[1::2], strict=True))
 
 
-def spread(x):  # the sample standard deviation over seeds (0 for one seed)
-    return float(np.std(x, ddof=1)) if len(x) > 1 else 0.0
+def score(run):  # the mean held-out score of the run's last LAST evaluations
+    steps = sorted(run["eval_acc"], key=int)[-LAST:]
+    return float(np.mean([run["eval_acc"][s] for s in steps]))
 
 
-def gains(pairs, step):  # centred minus uncentred held-out score of each seed at a step, in points
-    return [100 * (c["eval_acc"][step] - u["eval_acc"][step]) for u, c in pairs]
+@functools.cache
+def t_quantile(df, p=0.975):
+    """Student's t quantile for p > 1/2 and df >= 1, by bisection on its CDF. With u = √df·tan θ
+    the density integrates as P(0 < T < √df·tan θ) = c ∫_0^θ cos^(df-1) φ dφ, c = Γ((df+1)/2) /
+    (√π·Γ(df/2)): a bounded integrand on [0, π/2) for every df, which the trapezoid rule handles."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
+    lo, hi = 0.0, math.pi / 2
+    for _ in range(60):
+        theta = (lo + hi) / 2
+        phi = np.linspace(0, theta, 20001)
+        if c * np.trapezoid(np.cos(phi) ** (df - 1), phi) < p - 0.5:
+            lo = theta
+        else:
+            hi = theta
+    return math.sqrt(df) * math.tan((lo + hi) / 2)
 
 
-def first_step(pairs):  # the first evaluation from which the mean gain exceeds its spread for good
-    steps = sorted(pairs[0][0]["eval_acc"], key=int)
-    first = None
-    for step in steps:
-        g = gains(pairs, step)
-        if np.mean(g) <= spread(g):
-            first = None
-        elif first is None:
-            first = int(step)
-    return first
+def interval(x):  # mean of the seeds' values and its 95% t-interval (lo, hi): NaN for one seed
+    x = np.asarray(x, np.float64)
+    mean = float(x.mean())
+    if len(x) < 2:
+        return mean, math.nan, math.nan
+    half = t_quantile(len(x) - 1) * float(x.std(ddof=1)) / math.sqrt(len(x))
+    return mean, mean - half, mean + half
 
 
-def row(res):  # one level's runs -> its row of the table
-    pairs = by_seed(res)
+def ratio_interval(u, c):
+    """Drift uncentred / centred over the seeds: the geometric mean and its 95% interval, a
+    t-interval on the log ratio exponentiated; NaN unless every drift is > 0 (step 0 has none)."""
+    u, c = np.asarray(u, np.float64), np.asarray(c, np.float64)
+    if not (np.all(u > 0) and np.all(c > 0)):
+        return math.nan, math.nan, math.nan
+    return tuple(math.exp(v) for v in interval(np.log(u / c)))
 
-    def mean(arm, key):  # arm 0: uncentred, 1: centred
-        return float(np.mean([pair[arm][key] for pair in pairs]))
 
-    g = [100 * (c["final_acc"] - u["final_acc"]) for u, c in pairs]
-    kl = float(np.mean([r["mean_kl_q_p"] for r in res.values()]))
+def verdict(lo, hi):  # the gain's 95% interval in words
+    if math.isnan(lo):
+        return "one seed: no interval"
+    if lo > 0:
+        return "pays"
+    if hi < 0:
+        return "costs"
+    # the interval's farther end, not its half-width: the mean can sit off zero, and the largest
+    # effect the data leave possible is then larger on that side
+    return f"no effect larger than {max(abs(lo), abs(hi)):.1f} points"
+
+
+def against_steps(pairs):  # the gain and the drift ratio at every evaluation that all runs have
+    runs = [run for pair in pairs for run in pair]
+    steps = sorted(set.intersection(*(set(run["eval_acc"]) for run in runs)), key=int)
+
+    def arm(i, key, step):  # the seeds' values; arm 0: uncentred, 1: centred
+        return np.array([pair[i][key][step] for pair in pairs])
+
+    gain = [interval(100 * (arm(1, "eval_acc", s) - arm(0, "eval_acc", s))) for s in steps]
+    ratio = [ratio_interval(arm(0, "drift", s), arm(1, "drift", s)) for s in steps]
     return dict(
-        kl_q_p=kl,
-        drift_u=mean(0, "final_drift"),
-        drift_c=mean(1, "final_drift"),
-        final_u=mean(0, "final_acc"),
-        final_c=mean(1, "final_acc"),
-        peak_u=mean(0, "peak_acc"),
-        peak_c=mean(1, "peak_acc"),
-        gain=float(np.mean(g)),
-        spread=spread(g),
-        from_step=first_step(pairs),
+        step=[int(s) for s in steps],
+        gain=[g[0] for g in gain],
+        gain_lo=[g[1] for g in gain],
+        gain_hi=[g[2] for g in gain],
+        ratio=[r[0] for r in ratio],
+        ratio_lo=[r[1] for r in ratio],
+        ratio_hi=[r[2] for r in ratio],
     )
 
 
-def plot(file, rows, results):
-    """Left: the gain from centring (points, seed spread as bars) and the drift ratio, against the
-    measured kl_q_p on a log axis. Right: the mean held-out curves of each level (dashed:
+def from_step(series):  # the first evaluation from which the gain's interval stays above 0
+    first = None
+    for step, lo in reversed(list(zip(series["step"], series["gain_lo"], strict=True))):
+        if not lo > 0:  # NaN (one seed) included
+            break
+        first = step
+    return first
+
+
+def row(res):  # one level's runs -> its numbers: the table's row and the series against steps
+    pairs = by_seed(res)
+
+    # at the end: the paired gain of the last evaluations, the ratio of the final drifts
+    gain, gain_lo, gain_hi = interval([100 * (score(c) - score(u)) for u, c in pairs])
+    drifts = [[pair[arm]["final_drift"] for pair in pairs] for arm in (0, 1)]
+    ratio, ratio_lo, ratio_hi = ratio_interval(*drifts)
+    series = against_steps(pairs)
+
+    return dict(
+        kl_q_p=float(np.mean([run["mean_kl_q_p"] for run in res.values()])),
+        drift_u=float(np.mean(drifts[0])),
+        drift_c=float(np.mean(drifts[1])),
+        ratio=ratio,
+        ratio_lo=ratio_lo,
+        ratio_hi=ratio_hi,
+        final_u=float(np.mean([score(u) for u, _ in pairs])),
+        final_c=float(np.mean([score(c) for _, c in pairs])),
+        gain=gain,
+        gain_lo=gain_lo,
+        gain_hi=gain_hi,
+        from_step=from_step(series),
+        verdict=verdict(gain_lo, gain_hi),
+        steps=series,
+    )
+
+
+# -------------------------------------------------------------------------------------------------
+# the tables and the figures
+
+COLUMNS = {  # the table's columns, as printed; intervals as "mean [lo, hi]"
+    "kl_q_p": "{:9.2e}",
+    "drift_u": "{:7.2f}",
+    "drift_c": "{:7.2f}",
+    "ratio": "{:>20}",
+    "final_u": "{:7.3f}",
+    "final_c": "{:7.3f}",
+    "gain": "{:>21}",
+    "from_step": "{:>9}",
+    "verdict": "{:<7}",
+}
+
+
+def span(mean, lo, hi, f):  # "mean [lo, hi]" in format f; "-" where undefined
+    if math.isnan(mean):
+        return "-"
+    if math.isnan(lo):
+        return f.format(mean) + " (one seed)"
+    return f"{f.format(mean)} [{f.format(lo)}, {f.format(hi)}]"
+
+
+def shown(r):  # a level's row as the table prints it
+    return r | dict(
+        ratio=span(r["ratio"], r["ratio_lo"], r["ratio_hi"], "{:.2f}"),
+        gain=span(r["gain"], r["gain_lo"], r["gain_hi"], "{:+.1f}"),
+        from_step=r["from_step"] or "-",
+    )
+
+
+def steps_tables(rows, n=6):  # the gain and the ratio at n evenly spaced evaluation steps
+    steps = sorted({s for r in rows.values() for s in r["steps"]["step"]})
+    picked = np.linspace(0, len(steps) - 1, min(n, len(steps))).round().astype(int)
+    steps = [steps[i] for i in picked]
+    for name, f in (("gain", "{:+.1f}"), ("ratio", "{:.2f}")):
+        cells = {}
+        for level, r in rows.items():
+            s = r["steps"]
+            triples = zip(s[name], s[name + "_lo"], s[name + "_hi"], strict=True)
+            at = {str(step): span(*t, f) for step, t in zip(s["step"], triples, strict=True)}
+            cells[level] = {str(step): at.get(str(step), "-") for step in steps}
+        harness.table(f"{name} [95%] at step", cells, {str(step): "{:>21}" for step in steps})
+
+
+def plot_map(file, rows, results, colours):
+    """Left: the gain from centring (points, 95% intervals as bars) and the drift ratio, against
+    the measured kl_q_p on a log axis. Right: the mean held-out curves of each level (dashed:
     uncentred, solid: centred)."""
-    from matplotlib import colormaps
     from matplotlib.figure import Figure  # no pyplot: no window, no global state
 
     fig = Figure(figsize=(11, 3.6), dpi=100, layout="tight")
     left, right = fig.subplots(1, 2)
+
+    # the map: gain and drift ratio against the measured mismatch
     ordered = sorted(rows.values(), key=lambda r: r["kl_q_p"])
     kl = [max(r["kl_q_p"], 1e-6) for r in ordered]  # a log axis: a floor for a zero mismatch
-    gain, bars = [r["gain"] for r in ordered], [r["spread"] for r in ordered]
-    left.errorbar(kl, gain, bars, fmt="o-", color="k", capsize=3)
+    twin = left.twinx()
+    for ax, name, colour in ((left, "gain", "k"), (twin, "ratio", "tab:red")):
+        mean, lo, hi = (np.array([r[name + k] for r in ordered]) for k in ("", "_lo", "_hi"))
+        bars = np.nan_to_num([mean - lo, hi - mean])  # one seed: no bars
+        ax.errorbar(kl, mean, bars, fmt="o-" if name == "gain" else "s--", color=colour, capsize=3)
     left.axhline(0, color="grey", lw=0.5)
-    left.set(
-        xscale="log", xlabel="measured kl_q_p (nats a token)", ylabel="gain from centring (points)"
-    )
-    ratio = left.twinx()
-    drift_ratio = [r["drift_u"] / max(r["drift_c"], 1e-9) for r in ordered]
-    ratio.plot(kl, drift_ratio, "s--", color="tab:red")
-    ratio.set_ylabel("drift uncentred / centred", color="tab:red")
-    colours = colormaps["viridis"](np.linspace(0, 0.9, len(results)))
+    left.set(xscale="log", xlabel="measured kl_q_p (nats a token)", ylabel="gain (points, 95%)")
+    twin.set_ylabel("drift uncentred / centred", color="tab:red")
+
+    # the held-out curves, mean of the seeds
     for colour, (level, res) in zip(colours, results.items(), strict=True):
         pairs = by_seed(res)
-        steps = sorted(pairs[0][0]["eval_acc"], key=int)
+        steps = rows[level]["steps"]["step"]
         for arm, style in ((0, "--"), (1, "-")):
-            curve = [np.mean([pair[arm]["eval_acc"][s] for pair in pairs]) for s in steps]
-            label = level if arm else None
-            right.plot(list(map(int, steps)), curve, style, color=colour, label=label)
+            curve = [np.mean([pair[arm]["eval_acc"][str(s)] for pair in pairs]) for s in steps]
+            right.plot(steps, curve, style, color=colour, label=level if arm else None)
     right.set(xlabel="step", ylabel="held-out score, mean of the seeds")
     right.set_title("dashed: uncentred, solid: centred", fontsize=9)
     right.legend(fontsize=7, frameon=False)
@@ -103,16 +222,51 @@ def plot(file, rows, results):
         fig.savefig(file)
 
 
-def report(args, results, seconds):  # results {level: {run: summary}}: table, summary.json, figure
-    seeds, runs = args.seeds or [args.seed], f"{args.workers} at a time: {seconds:.0f} s"
+def plot_steps(file, rows, colours):  # the gain and the drift ratio against steps, 95% bands
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 3.6), dpi=100, layout="tight")
+    axes = fig.subplots(1, 2)
+    for ax, name, base in ((axes[0], "gain", 0), (axes[1], "ratio", 1)):
+        for colour, (level, r) in zip(colours, rows.items(), strict=True):
+            s = {k: np.array(v, np.float64) for k, v in r["steps"].items()}
+            ax.plot(s["step"], s[name], color=colour, label=level)
+            ax.fill_between(s["step"], s[name + "_lo"], s[name + "_hi"], color=colour, alpha=0.2)
+        ax.axhline(base, color="grey", lw=0.5)
+    axes[0].set(xlabel="step", ylabel="gain from centring (points, 95%)")
+    axes[1].set(xlabel="step", ylabel="drift uncentred / centred (95%)", yscale="log")
+    axes[1].yaxis.set_major_formatter("{x:g}")  # 1, 2, 3 on the log axis, not 10^0, 2×10^0
+    axes[1].yaxis.set_minor_formatter("{x:g}")
+    axes[0].legend(fontsize=7, frameon=False)
+    with harness.LOCK:
+        fig.savefig(file)
+
+
+def report(args, results, seconds):  # results {level: {run: summary}}: tables, summary.json, plots
+    seeds = args.seeds or [args.seed]
     print(
-        f"\nsweep: {len(results)} levels x {len(seeds)} seeds x 2 arms, {args.steps} steps, {runs}"
+        f"\nsweep: {len(results)} levels x {len(seeds)} seeds x 2 arms, {args.steps} steps, "
+        f"{args.workers} at a time: {seconds:.0f} s"
     )
+
+    # the table at the end of the runs, then against steps
     rows = {level: row(res) for level, res in results.items()}
-    shown = {level: r | dict(from_step=r["from_step"] or "-") for level, r in rows.items()}
-    harness.table("level", shown, COLUMNS)
-    print("u: uncentred, c: centred; gain: c - u final held-out score of the same seed, in points")
+    harness.table("level", {level: shown(r) for level, r in rows.items()}, COLUMNS)
+    print(
+        f"u: uncentred, c: centred; final: the mean of a run's last {LAST} evaluations\n"
+        "gain: c - u final of the same seed, in points: mean over seeds [95% paired t-interval]\n"
+        "ratio: drift u / c at the end of the same seed: geometric mean [95%]\n"
+        "from_step: the first evaluation from which the gain's interval stays above 0"
+    )
+    steps_tables(rows)
+
+    # the figures: the map, and against steps next to it
     if args.plot and not jax.process_index():
-        plot(args.plot, rows, results)
+        from matplotlib import colormaps
+
+        colours = colormaps["viridis"](np.linspace(0, 0.9, len(results)))
+        plot_map(args.plot, rows, results, colours)
+        root, ext = os.path.splitext(args.plot)
+        plot_steps(root + "_steps" + ext, rows, colours)
     summary = {level: rows[level] | dict(runs=res) for level, res in results.items()}
     return harness.write_summary(args.out, dict(levels=summary, seconds=seconds))

@@ -4,6 +4,7 @@ code's own output. conftest.py sets up XLA and jax (4 CPU devices) before this f
 B batch rows, T query length, D model width, F MLP hidden, H head dimension, N query heads, K
 key/value heads, L layers, V vocab, M completion length, k the sampler's top-k head size."""
 
+import argparse
 import ast
 import base64
 import fnmatch
@@ -2960,30 +2961,176 @@ def test_lora_alpha_flag_scales_the_merge_by_alpha_over_rank():
         np.testing.assert_allclose(merged["layers"][k], expected, rtol=1e-5, atol=1e-5)
 
 
-def _run_summary(finals, kl=0.5, drift=1.0):  # a run's summary with held-out scores at steps 0..
-    acc = {str(10 * i): a for i, a in enumerate(finals)}
-    summary = dict(eval_acc=acc, final_acc=finals[-1], peak_acc=max(finals), final_drift=drift)
-    return summary | dict(mean_kl_q_p=kl)
+def _sweep_run(scores, drifts, kl=0.01):  # a run's summary (harness.finish), evaluations every 50
+    steps = [str(50 * i) for i in range(len(scores))]
+    return dict(
+        eval_acc=dict(zip(steps, scores, strict=True)),
+        drift=dict(zip(steps, drifts, strict=True)),
+        final_acc=scores[-1],
+        peak_acc=max(scores),
+        final_drift=drifts[-1],
+        mean_kl_q_p=kl,
+        reward=0.5,
+        drop=max(scores) - scores[-1],
+    )
 
 
-def test_sweep_gain_pairs_the_arms_of_one_seed_and_finds_its_first_step():
-    """Seed 1 scores 0.3 above seed 0 in both arms, centring adds 5 points to each at steps 10, 30
-    and 40: the gain is 5 with no spread, as centred minus uncentred of the same seed (across seeds
-    the spread would be 20 points), and it exceeds its spread for good from step 30."""
+def _level(u_scores, c_scores, u_drifts, c_drifts):  # {run: summary} as --compare orders them
     res = {}
-    for seed, base in ((0, 0.1), (1, 0.4)):
-        u = [base] * 5  # steps 0, 10, 20, 30, 40
-        c = [base, base + 0.05, base, base + 0.05, base + 0.05]
-        res[f"uncentered_seed{seed}"] = _run_summary(u, kl=0.2 + seed)
-        res[f"centered_seed{seed}"] = _run_summary(c, kl=0.4 + seed)
-    r = sweep.row(res)
-    assert r["gain"] == pytest.approx(5) and r["spread"] == pytest.approx(0, abs=1e-9)
-    assert r["from_step"] == 30
-    assert r["kl_q_p"] == pytest.approx(np.mean([0.2, 0.4, 1.2, 1.4]))  # measured, not nominal
-    assert r["final_u"] == pytest.approx(0.25) and r["final_c"] == pytest.approx(0.30)
-    noisy = dict(res, centered_seed1=_run_summary([0.4, 0.45, 0.4, 0.4, 0.35]))  # seed 1: -5
-    assert sweep.row(noisy)["spread"] == pytest.approx(np.std([5, -5], ddof=1))
-    assert sweep.row(noisy)["from_step"] is None
+    for seed, runs in enumerate(zip(u_scores, c_scores, u_drifts, c_drifts, strict=True)):
+        res[f"uncentered_seed{seed}"] = _sweep_run(runs[0], runs[2], kl=0.1 * seed)
+        res[f"centered_seed{seed}"] = _sweep_run(runs[1], runs[3], kl=0.1 * seed + 0.05)
+    return res
+
+
+def _t2(p=0.975):  # Student's t quantile, df 2, closed form: F(t) = 1/2 + t / (2√(2 + t²))
+    a = 2 * p - 1
+    return a * math.sqrt(2 / (1 - a * a))
+
+
+def test_t_quantile_matches_closed_forms_and_tables():
+    """df 1 (Cauchy: tan(π(p - 1/2))) and df 2 in closed form, at two levels; df 3, 7, 29 and a
+    large df (the normal's 1.959964) against printed tables."""
+    for p in (0.975, 0.995):
+        assert sweep.t_quantile(1, p) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-7)
+        assert sweep.t_quantile(2, p) == pytest.approx(_t2(p), rel=1e-7)
+    table = {1: 12.7062, 3: 3.18245, 7: 2.36462, 29: 2.04523, 10**6: 1.95996}
+    for df, t in table.items():
+        assert sweep.t_quantile(df) == pytest.approx(t, abs=6e-5), df
+
+
+def test_interval_is_the_paired_t_interval_by_hand():
+    """[1, 2, 3, 4]: mean 2.5, sample sd √(5/3) = 1.29099, t(0.975, 3) = 3.18245, half-width
+    3.18245 · 1.29099 / 2 = 2.0543; one value: a mean and no interval."""
+    mean, lo, hi = sweep.interval([1, 2, 3, 4])
+    assert mean == pytest.approx(2.5)
+    assert (lo, hi) == pytest.approx((2.5 - 2.0543, 2.5 + 2.0543), abs=1e-4)
+    mean, lo, hi = sweep.interval([3.0])
+    assert mean == 3.0 and math.isnan(lo) and math.isnan(hi)
+
+
+def test_verdict_reads_the_interval():
+    """Above 0: pays; below: costs; across 0: the largest |value| it holds, on either side (not
+    the half-width: [-1, 3.2] leaves 3.2 possible, not 2.1); one seed: said so."""
+    assert sweep.verdict(0.4, 3.0) == "pays"
+    assert sweep.verdict(-4.0, -0.2) == "costs"
+    assert sweep.verdict(-1.0, 3.2) == "no effect larger than 3.2 points"
+    assert sweep.verdict(-3.4, 1.0) == "no effect larger than 3.4 points"
+    assert sweep.verdict(-0.1, 2.0) == "no effect larger than 2.0 points"  # just across 0
+    assert sweep.verdict(-2.0, 0.1) == "no effect larger than 2.0 points"
+    assert "one seed" in sweep.verdict(math.nan, math.nan)
+
+
+def test_row_pairs_the_arms_of_each_seed_and_reads_each_arms_drift():
+    """Seeds far apart (0.2, 0.5, 0.8) gain 2, 4, 3 points: the gain pairs the arms of one seed
+    (mean 3, sd 1, t(0.975, 2) in closed form), and arms of different drift (uncentred 3, 8, 5;
+    centred 1, 2, 5) give drift_u, drift_c and the geometric mean ratio ∛(3·4·1) with a
+    t-interval on the log ratio."""
+    base, gain = [0.2, 0.5, 0.8], [0.02, 0.04, 0.03]
+    du, dc = [3.0, 8.0, 5.0], [1.0, 2.0, 5.0]
+    r = sweep.row(
+        _level(
+            [[b] * 6 for b in base],
+            [[b] * 1 + [b + g] * 5 for b, g in zip(base, gain, strict=True)],
+            [[0.0, *[d] * 5] for d in du],
+            [[0.0, *[d] * 5] for d in dc],
+        )
+    )
+    half = _t2() * 1.0 / math.sqrt(3)
+    assert r["gain"] == pytest.approx(3.0)
+    assert (r["gain_lo"], r["gain_hi"]) == pytest.approx((3 - half, 3 + half))
+    assert r["final_u"] == pytest.approx(0.5) and r["final_c"] == pytest.approx(0.53)
+    assert r["drift_u"] == pytest.approx(16 / 3) and r["drift_c"] == pytest.approx(8 / 3)
+    logs = np.log([3.0, 4.0, 1.0])
+    log_half = _t2() * np.std(logs, ddof=1) / math.sqrt(3)
+    assert r["ratio"] == pytest.approx(12 ** (1 / 3))
+    assert r["ratio_lo"] == pytest.approx(math.exp(logs.mean() - log_half))
+    assert r["ratio_hi"] == pytest.approx(math.exp(logs.mean() + log_half))
+    assert r["kl_q_p"] == pytest.approx(np.mean([0, 0.05, 0.1, 0.15, 0.2, 0.25]))  # measured
+    assert r["verdict"] == "pays"
+
+    # against steps: step 0 has no drift (no ratio), the gain there is 0 with no width
+    s = r["steps"]
+    assert s["step"] == [0, 50, 100, 150, 200, 250]
+    assert math.isnan(s["ratio"][0]) and s["ratio"][1:] == pytest.approx([12 ** (1 / 3)] * 5)
+    assert s["gain"] == pytest.approx([0, 3, 3, 3, 3, 3])
+    assert s["gain_lo"][0] == pytest.approx(0) and s["gain_lo"][1] == pytest.approx(3 - half)
+
+
+def _gains_level(gains):  # three seeds whose per-step gains (points) are gains[step][seed]
+    base = [0.3, 0.5, 0.7]
+    c = [[b + g[seed] / 100 for g in gains] for seed, b in enumerate(base)]
+    drifts = [[0.0] + [1.0] * (len(gains) - 1)] * 3
+    return _level([[b] * len(gains) for b in base], c, drifts, drifts)
+
+
+def test_from_step_is_where_the_gains_interval_stays_above_zero():
+    """Per-step gains of three seeds: [5, 5, 5] at step 50 (interval above 0), [-1, 4, 6] at 100
+    (across 0), [1, 2, 3] at 150 (mean above its spread, but its interval, 2 ± 2.48, holds 0), then
+    above 0 at 200 and 250: from step 200. A last evaluation whose interval holds 0: None."""
+    gains = [[0, 0, 0], [5, 5, 5], [-1, 4, 6], [1, 2, 3], [4, 5, 6], [3, 4, 5]]
+    r = sweep.row(_gains_level(gains))
+    half = _t2() / math.sqrt(3)  # sd 1 at 150, 200, 250
+    assert r["steps"]["gain_lo"][3:] == pytest.approx([2 - half, 5 - half, 4 - half])
+    assert r["from_step"] == 200
+    assert sweep.row(_gains_level([*gains[:-1], [-1, 4, 6]]))["from_step"] is None
+    series = dict(step=[0, 10, 20, 30], gain_lo=[1.0, -0.5, 0.3, 0.2])
+    assert sweep.from_step(series) == 20
+    assert sweep.from_step(dict(step=[0, 10], gain_lo=[math.nan, math.nan])) is None  # one seed
+
+
+def test_final_is_the_mean_of_the_last_evaluations():
+    """The centred arm is 4 points up over its last LAST - 1 evaluations and 12 up at the final
+    one: the gain is their mean, not the final evaluation's alone, nor the first ones'."""
+    last, n = sweep.LAST, sweep.LAST + 3
+    assert last > 1
+    u = [[0.5] * n, [0.6] * n]
+    c = [[s] * (n - last) + [s + 0.04] * (last - 1) + [s + 0.12] for s in (0.5, 0.6)]
+    d = [[0.0] + [1.0] * (n - 1)] * 2
+    r = sweep.row(_level(u, c, d, d))
+    expected = 100 * (0.04 * (last - 1) + 0.12) / last
+    assert r["gain"] == pytest.approx(expected)
+    assert r["final_c"] == pytest.approx(0.55 + expected / 100)
+
+
+def test_report_prints_the_columns_and_writes_summary_and_figures(tmp_path, capsys):
+    """Two levels, three seeds: the first line has the levels, seeds, arms and seconds; each row
+    the drift of each arm, the ratio and the gain with their intervals, from_step and the verdict;
+    summary.json the same numbers, every run and the seconds; --plot FILE and FILE_steps."""
+    base, du, dc = [0.2, 0.5, 0.8], [3.0, 8.0, 5.0], [1.0, 2.0, 5.0]
+    drifts_u, drifts_c = [[0.0, *[d] * 5] for d in du], [[0.0, *[d] * 5] for d in dc]
+    paying = _level(
+        [[b] * 6 for b in base],
+        [[b, *[b + g] * 5] for b, g in zip(base, [0.02, 0.04, 0.03], strict=True)],
+        drifts_u,
+        drifts_c,
+    )
+    costing = _level([[b] * 6 for b in base], [[b - 0.05] * 6 for b in base], drifts_c, drifts_c)
+    results = {"bf16_noise0.1": paying, "int8": costing}
+    plot = str(tmp_path / "s.png")
+    args = argparse.Namespace(seeds=[0, 1, 2], seed=0, steps=250, workers=3, plot=plot, out=None)
+    args.out = str(tmp_path)
+    summary = sweep.report(args, results, 123.4)
+
+    out = capsys.readouterr().out.splitlines()
+    first = next(line for line in out if line.startswith("sweep:"))
+    assert "2 levels x 3 seeds x 2 arms" in first and "123 s" in first
+    paid = next(line for line in out if line.startswith("bf16_noise0.1 "))
+    half = _t2() / math.sqrt(3)
+    assert "5.33" in paid.split() and "2.67" in paid.split()  # drift_u, drift_c
+    assert f"+3.0 [{3 - half:+.1f}, {3 + half:+.1f}]" in paid and paid.rstrip().endswith("pays")
+    assert "50" in paid.split()  # from_step: the first evaluation after the start
+    cost = next(line for line in out if line.startswith("int8 "))
+    assert "-5.0" in cost and cost.rstrip().endswith("costs") and "1.00 [1.00, 1.00]" in cost
+
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["seconds"] == 123.4 and summary["seconds"] == 123.4
+    level = saved["levels"]["bf16_noise0.1"]
+    assert level["drift_u"] == pytest.approx(16 / 3) and level["from_step"] == 50
+    assert level["gain_lo"] == pytest.approx(3 - half) and level["verdict"] == "pays"
+    assert set(level["runs"]) == set(paying) and level["steps"]["step"][-1] == 250
+    assert level["steps"]["ratio"][0] is None  # NaN (no drift at step 0) as JSON null
+    assert (tmp_path / "s.png").stat().st_size > 0 and (tmp_path / "s_steps.png").stat().st_size > 0
 
 
 def test_short_sweep_has_every_level_and_seed_and_the_mismatch_sets_the_arms_apart(tmp_path):
@@ -3001,13 +3148,15 @@ def test_short_sweep_has_every_level_and_seed_and_the_mismatch_sets_the_arms_apa
     for level, r in levels.items():
         assert set(r["runs"]) == names
         assert all((tmp_path / "o" / level / name / "summary.json").exists() for name in names)
+        # each run's score: the mean of its last evaluations (here steps 0 and 1, all it has)
+        runs = r["runs"]
         gains = [
-            r["runs"][f"centered_seed{s}"]["final_acc"]
-            - r["runs"][f"uncentered_seed{s}"]["final_acc"]
+            np.mean(list(runs[f"centered_seed{s}"]["eval_acc"].values()))
+            - np.mean(list(runs[f"uncentered_seed{s}"]["eval_acc"].values()))
             for s in (0, 1)
         ]
         assert r["gain"] == pytest.approx(100 * np.mean(gains), abs=1e-9)
-        assert r["spread"] == pytest.approx(100 * np.std(gains, ddof=1), abs=1e-9)
+        assert r["gain_lo"] < r["gain"] < r["gain_hi"] and r["verdict"]
     kl = [levels[k]["kl_q_p"] for k in levels]
     assert kl[0] < kl[1] < kl[2], kl
     assert summary["levels"]["bf16"]["kl_q_p"] == kl[0]
