@@ -2144,6 +2144,25 @@ def test_gsm8k_gold_answers_and_malformed_lines(tmp_path):
     assert tasks.read_gsm8k(str(tmp_path), "train") == [("q?", "1000")]
 
 
+GSM8K = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "gsm8k")
+
+
+@pytest.mark.skipif(not os.path.isdir(GSM8K), reason="GSM8K's files are not beside the project")
+def test_the_real_gsm8k_files_parse_and_every_reference_solution_earns_its_reward():
+    """GSM8K's own train.jsonl and test.jsonl: 7,473 and 1,319 problems, every gold answer a
+    number, and every reference solution, given as a completion, rewarded 1 (and a wrong final
+    number 0)."""
+    for split, n in (("train", 7473), ("test", 1319)):
+        problems = tasks.read_gsm8k(GSM8K, split)
+        assert len(problems) == n, split
+        assert all(re.fullmatch(r"-?\d+(\.\d+)?", gold) for _, gold in problems)
+        rows = [json.loads(line) for line in open(os.path.join(GSM8K, f"{split}.jsonl"))]
+        for row, (question, gold) in zip(rows, problems, strict=True):
+            assert question == row["question"]
+            assert tasks.reward(row["answer"], gold) == 1.0, row["answer"]
+            assert tasks.reward(row["answer"] + "\n" + str(float(gold) + 1), gold) == 0.0
+
+
 def test_group_advantages():
     r = np.array([1.0, 0, 0, 1, 1, 1])
     np.testing.assert_allclose(train.advantage(r, 3, "group"), [2 / 3, -1 / 3, -1 / 3, 0, 0, 0])
