@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import bandit
 import compare
+import devices
 import harness
 import hf_checkpoint
 import plan
@@ -1876,12 +1877,12 @@ def test_one_device_and_four_devices_give_the_same_step(tiny, lora, monkeypatch)
     )
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 16))
     fsdp, res = train.shardings, {}
-    for layout, devices in [
+    for layout, chips in [
         ("one", jax.devices()[:1]),
         ("replicated", jax.devices()),
         ("fsdp", jax.devices()),
     ]:
-        mesh, opt = Mesh(np.array(devices), ("data",)), optax.sgd(0.1, momentum=0.9)
+        mesh, opt = Mesh(np.array(chips), ("data",)), optax.sgd(0.1, momentum=0.9)
         replicated = NamedSharding(mesh, PartitionSpec())
         monkeypatch.setattr(
             train,
@@ -2815,6 +2816,11 @@ def test_bad_paths_fail_before_anything_is_written(tmp_path, gsm, capsys, monkey
     assert "matplotlib" in _error(
         tiny_argv(gsm, "--compare", "--plot", str(tmp_path / "p.png")), capsys
     )
+    run = tmp_path / "run"  # a run to resume, and an --out elsewhere: refused, not dropped
+    run.mkdir()
+    (run / "run.json").write_text("{}")
+    msg = _error(tiny_argv(gsm, "--resume", str(run), "--out", str(tmp_path / "other")), capsys)
+    assert "--resume DIR continues the run in DIR" in msg
 
 
 @pytest.mark.parametrize(
@@ -2909,26 +2915,53 @@ def test_a_diverging_run_stops_with_finite_weights_and_strict_json(tmp_path, cap
     assert weights and all(bool(np.isfinite(np.asarray(x)).all()) for x in weights)
 
 
-def test_an_unreachable_coordinator_is_named_and_given_up_on(tmp_path):
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_process_whose_peers_never_come_says_so_in_one_line_after_the_timeout(rank):
+    """Process 1 with no coordinator listening, and process 0 whose peer never starts: each says
+    whom it waited for, and where, and stops after JAX_COORDINATOR_TIMEOUT (3 s, not the default
+    120: the subprocess is given 60), with one line and no stack trace."""
     with socket.socket() as s:  # a loopback port that nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1", JAX_COORDINATOR_TIMEOUT="2")
+    env = dict(os.environ, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=rank, JAX_COORDINATOR_TIMEOUT="3")
     env["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{port}"
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, script, "--task", "sequence"], env=env, capture_output=True, text=True
+        [sys.executable, script, "--task", "sequence"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode != 0 and time.monotonic() - start < 60
+    whom = "the other processes" if rank == "0" else "the coordinator, process 0,"
     assert done.stdout.startswith(
-        f"process 1 of 2: waiting up to 2 s for the coordinator, process 0, at 127.0.0.1:{port}"
+        f"process {rank} of 2: waiting up to 3 s for {whom} at 127.0.0.1:{port}"
     )
-    assert "JAX_COORDINATOR_ADDRESS" in done.stdout
     err = done.stderr.strip()
     assert "\n" not in err and "Traceback" not in err, err
-    assert err.startswith(f"error: process 1 of 2 found no coordinator at 127.0.0.1:{port}")
+    what = "was not joined by the other processes" if rank == "0" else "found no coordinator"
+    assert err.startswith(f"error: process {rank} of 2 {what} at 127.0.0.1:{port} within 3 s")
     assert "JAX_COORDINATOR_ADDRESS" in err
+
+
+def test_the_coordinator_timeout_reaches_jax_distributed(monkeypatch):
+    """JAX_COORDINATOR_TIMEOUT is the wait: jax.distributed.initialize gets the address, the
+    process count and rank, and a timeout past it (the one-line stop comes first)."""
+    seen = {}
+
+    def initialize(address, n, rank, initialization_timeout):
+        seen.update(address=address, n=n, rank=rank, timeout=initialization_timeout)
+
+    monkeypatch.setattr(jax.distributed, "initialize", initialize)
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)
+    env = dict(JAX_NUM_PROCESSES="3", JAX_PROCESS_ID="0", JAX_COORDINATOR_ADDRESS="h:1")
+    devices.join(env | dict(JAX_COORDINATOR_TIMEOUT="7"))
+    assert seen == dict(address="h:1", n=3, rank=0, timeout=67)
+    devices.join(env)
+    assert seen["timeout"] == 180  # the default wait, 120 s
 
 
 def test_tis_cap_flag_reaches_the_loss():
