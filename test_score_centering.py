@@ -2467,6 +2467,14 @@ def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, cap
             on,
         )
         assert off["final_drift"] > 1.5 * on["final_drift"] > 0, (off, on)
+    # a seed inside --compare is the run of that seed alone (its own keys, data, noise and p_0)
+    solo = flags.replace("--compare --seeds 0,1", "--center --seed 1").split()
+    train.main([*solo, "--out", str(tmp_path / "solo")])
+    rows = [
+        _strip(map(json.loads, open(tmp_path / d / "metrics.jsonl")))
+        for d in ("solo", "two/centered_seed1")
+    ]
+    assert rows[0] == rows[1]
     table = [line.split() for line in lines if line.split(" ")[0] in names]  # not "name: step"
     assert [row[0] for row in table] == names
     assert float(table[0][3]) == pytest.approx(summary["uncentered_seed0"]["drop"], abs=1e-3)
