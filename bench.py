@@ -1,14 +1,15 @@
 """How fast train.py samples and trains here, as fractions of the devices' limits (docs/speed.md).
 
-    python bench.py           # Qwen3-0.6B's shape, random weights: 6 min on 2 CPU cores
-    python bench.py --tiny    # the sequence task's model: a minute or two, mostly compiling
+    python bench.py           # Qwen3-0.6B's shape, random weights: 28 min on 2 busy CPU cores
+    python bench.py --tiny    # the sequence task's model: 3 min, mostly compiling
     python bench.py --batch 1,16,64 --prompt 256 --new 128 --rows 16 --out bench.json   # a GPU
 
-Medians of --repeats calls; compile_s: the first call's excess. T0 prompt, M new tokens, k top-k.
-sampler (train.make_sampler): ms_step = (t(M) - t(1)) / (M - 1), prefill = t(1) - ms_step; k 1 is
-plain sampling: x_plain = ms_step / bf16 k 1's; of_bw = the bytes a decode step reads (weights, the
-bf16 KV cache) / ms_step / bandwidth. train (train.make_train_step, SGD): x_uncentred = s_step / the
-uncentred one's; MFU = model FLOPs (6 x weights x tokens, the head, attention) / s_step / peak.
+The programs a table compares run in one process, in --repeats rounds of a call each, back to back:
+a figure is the median of its own calls, an x_ column the median of the rounds' ratios, compile_s
+the first call's excess. Sampler (T0 prompt, M new tokens, k top-k; k 1: plain sampling): ms_step =
+(t(M) - t(1)) / (M - 1), prefill = t(1) - ms_step, of_bw = the bytes a decode step reads (weights,
+K and V) / ms_step / bandwidth. Train (SGD, on the int8 sampler's rollouts): MFU = model FLOPs (3 x
+the forward) / s_step / peak FLOP/s.
 """
 
 import argparse
@@ -30,10 +31,20 @@ import qwen3
 import tasks
 import train
 
-QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024)  # Qwen3-0.6B's config
-QWEN3_06B |= dict(intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16)
-QWEN3_06B |= dict(num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6)
-QWEN3_06B |= dict(tie_word_embeddings=True, max_position_embeddings=40960)
+QWEN3_06B = dict(  # Qwen3-0.6B's config
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+)
 PEAKS = {  # device_kind contains: bf16 dense FLOP/s, memory bytes/s (the vendors' spec sheets)
     "H100": (989e12, 3.35e12),  # SXM
     "H200": (989e12, 4.8e12),
@@ -41,16 +52,33 @@ PEAKS = {  # device_kind contains: bf16 dense FLOP/s, memory bytes/s (the vendor
     "TPU v5 lite": (197e12, 819e9),  # v5e
     "TPU v6 lite": (918e12, 1640e9),  # v6e
 }
+SAMPLERS = (("bf16", 1), ("bf16", 128), ("int8", 128))  # (kind, k); k 1: plain sampling
 
 
-def seconds(call, repeats):  # the median of `repeats` timed calls, and the first's excess
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
+def timed_rounds(calls, repeats, clock=time.perf_counter):
+    """calls {name: function}: each called once (compiling: first {name: s}), once more (warming
+    up), then once a round, the order reversed every other round: times {name: [s a round]}."""
+
+    def seconds(call):
+        start = clock()
         jax.block_until_ready(call())
-        times.append(time.perf_counter() - start)
-    median = statistics.median(times[1:])
-    return median, times[0] - median
+        return clock() - start
+
+    # compile, warm up
+    first = {name: seconds(call) for name, call in calls.items()}
+    for call in calls.values():
+        seconds(call)
+
+    # alternating rounds
+    times = {name: [] for name in calls}
+    for r in range(repeats):
+        for name in list(calls)[:: -1 if r % 2 else 1]:
+            times[name].append(seconds(calls[name]))
+    return first, times
+
+
+def median_ratio(times, reference):  # the median over rounds of times / reference, round by round
+    return statistics.median(t / r for t, r in zip(times, reference, strict=True))
 
 
 def peak_gib():  # the device's peak memory so far; a CPU's: the process's peak RSS (Linux: KiB)
@@ -63,21 +91,25 @@ def peaks(repeats):  # (FLOP/s, bytes/s, where from): the table's, or measured
     for name, (flops, bandwidth) in PEAKS.items():
         if name in jax.devices()[0].device_kind:
             return flops, bandwidth, f"{name} spec sheet"
-    a, x = jnp.ones((4096, 4096)), [jnp.zeros(2**28)]
+    a = jnp.ones((4096, 4096))
+    x = [jnp.zeros(2**28)]
     negate = jax.jit(jnp.negative, donate_argnums=0)
 
     def copy():  # 1 GiB read and written in place (a fresh buffer: the kernel zeroes its pages)
         x[0] = negate(x[0])
         return x[0]
 
-    flops = 2 * 4096**3 / seconds(partial(jax.jit(jnp.matmul), a, a), repeats)[0]  # float32
-    return flops, 2 * x[0].nbytes / seconds(copy, repeats)[0], "measured"
+    times = timed_rounds(dict(matmul=partial(jax.jit(jnp.matmul), a, a), copy=copy), repeats)[1]
+    flops = 2 * 4096**3 / statistics.median(times["matmul"])  # float32
+    return flops, 2 * x[0].nbytes / statistics.median(times["copy"]), "measured"
 
 
 def random_weights(cfg, key):  # float32: N(0, 1/fan-in) matrices, unit norm weights
-    (top, layers), L, w = qwen3.layout(cfg), cfg["num_hidden_layers"], {}
+    top, layers = qwen3.layout(cfg)
+    L = cfg["num_hidden_layers"]
     shapes = {name: s for name, (_, _, s) in top.items()}
     shapes |= {name: (L, *s) for name, (_, _, s) in layers.items()}  # a layer's: L first
+    w = {}
     for i, (name, shape) in enumerate(shapes.items()):
         fan_in = math.prod(shape[a] for a in train.INPUT_AXES.get(name, ()))
         normal = jax.random.normal(jax.random.fold_in(key, i), shape) * fan_in**-0.5
@@ -85,38 +117,99 @@ def random_weights(cfg, key):  # float32: N(0, 1/fan-in) matrices, unit norm wei
     return {name: w[name] for name in top} | dict(layers={name: w[name] for name in layers})
 
 
-def time_sampler(cfg, w, kind, k, prompt, pos, args, bandwidth):
-    (B, T0), M, key, t, c = prompt.shape, args.new, jax.random.PRNGKey(0), {}, {}
-    for m in (1, M):  # eos -1 is never sampled
-        fn = train.make_sampler(cfg, m, k, (-1,), train.quant_mm(kind))
-        t[m], c[m] = seconds(partial(fn, w, prompt, pos, key), args.repeats)
-    step = (t[M] - t[1]) / (M - 1)  # m tokens run the model 1 + m times (the last output unused)
-    head, (L, _, K, H) = w.get("lm_head", w["embed"]), w["layers"]["k"].shape
-    read = sum(x.nbytes for x in jax.tree.leaves(w["layers"])) + head.nbytes  # lookup: B rows
-    read += 2 * L * B * (T0 + M) * K * H * 2  # K and V: the whole bf16 cache, every step
-    row = dict(sampler=kind, k=k, B=B, prefill_tok_s=B * T0 / (t[1] - step), decode_tok_s=B / step)
-    row |= dict(ms_step=step * 1e3, GB_s=read / step / 1e9, of_bw=read / step / bandwidth)
-    return row | dict(compile_s=c[1] + c[M], peak_GiB=peak_gib())
+def decode_bytes(w, B, T0, M):  # what a decode step must read: every layer weight, the head, K, V
+    L, _, K, H = w["layers"]["k"].shape
+    head = w.get("lm_head", w["embed"])  # the embedding lookup reads B rows: not counted
+    weights = sum(x.nbytes for x in jax.tree.leaves(w["layers"])) + head.nbytes
+    return weights + 2 * L * B * (T0 + M) * K * H * 2  # K and V: the whole bf16 cache, every step
 
 
-def time_train(cfg, w, batch, k, center, mesh, args, peak_flops):
-    (B, M), T0, opt = batch["tokens"].shape, batch["prompt"].shape[1], optax.sgd(1e-4)
-    T, (L, _, N, H) = T0 + M, w["layers"]["q"].shape
-    step = train.make_train_step(cfg, opt, B, mesh, center)
-    params = jax.tree.map(jnp.copy, jax.device_put(w, train.shardings(w, mesh)))  # donated
-    carry = [params, opt.init(params)]
+def sampler_rows(B, T0, M, first, times, read, bandwidth, peak):  # seconds of [kind, k, m]
+    # decode steps, round by round: m tokens run the model 1 + m times
+    def steps(kind, k):
+        pairs = zip(times[kind, k, 1], times[kind, k, M], strict=True)
+        return [(t_m - t_1) / (M - 1) for t_1, t_m in pairs]
 
-    def one_step():  # the updated weights and state go into the next step
-        carry[:] = step(*carry, batch)[:2]
-        return carry
+    # a row per sampler
+    rows = []
+    for kind, k in SAMPLERS:
+        t_1 = statistics.median(times[kind, k, 1])
+        step = (statistics.median(times[kind, k, M]) - t_1) / (M - 1)
+        compile_s = sum(first[kind, k, m] - statistics.median(times[kind, k, m]) for m in (1, M))
+        row = dict(
+            sampler=kind,
+            k=k,
+            B=B,
+            prefill_tok_s=B * T0 / (t_1 - step),
+            decode_tok_s=B / step,
+            ms_step=step * 1e3,
+            GB_s=read / step / 1e9,
+            of_bw=read / step / bandwidth,
+            compile_s=compile_s,
+            peak_GiB=peak,
+            x_plain=median_ratio(steps(kind, k), steps("bf16", 1)),
+        )
+        rows.append(row)
+    return rows
 
-    s, compile_s = seconds(one_step, args.repeats)
+
+def time_sampler(cfg, sampler_w, prompt, pos, args, bandwidth):  # sampler_w {kind: weights}
+    B, T0 = prompt.shape
+    M = args.new
+    calls = {}
+    for kind, k in SAMPLERS:
+        for m in (1, M):  # eos -1 is never sampled: every row decodes m tokens
+            fn = train.make_sampler(cfg, m, k, (-1,), dict(mm=train.quant_mm(kind)))
+            calls[kind, k, m] = partial(fn, sampler_w[kind], prompt, pos, jax.random.PRNGKey(0))
+    first, times = timed_rounds(calls, args.repeats)
+    read = decode_bytes(sampler_w["bf16"], B, T0, M)  # int8: fake-quantised, the same bf16 bytes
+    return sampler_rows(B, T0, M, first, times, read, bandwidth, peak_gib())
+
+
+def train_flops(w, B, T0, M):  # 3 x the forward: matmuls, the head at M + 1 positions, attention
+    T = T0 + M
+    L, _, N, H = w["layers"]["q"].shape
     matmul = sum(x.size for name, x in w["layers"].items() if name in train.INPUT_AXES)
-    # 3 x the forward: the layers' matmuls, the head at M + 1 positions, attention over [T, T]
-    flops = 3 * B * (2 * T * matmul + 2 * (M + 1) * w["embed"].size + 4 * L * T * T * N * H)
-    row = dict(train="centred" if center else "uncentred", k=k or "V", B=B, tok_s=B * T / s)
-    row |= dict(s_step=s, TFLOP_s=flops / s / 1e12, MFU=flops / s / peak_flops)
-    return row | dict(compile_s=compile_s, peak_GiB=peak_gib())
+    return 3 * B * (2 * T * matmul + 2 * (M + 1) * w["embed"].size + 4 * L * T * T * N * H)
+
+
+def train_rows(k, B, T, flops, first, times, peak_flops, peak):  # seconds of [center]
+    rows = []
+    for center in (False, True):
+        s = statistics.median(times[center])
+        row = dict(
+            train="centred" if center else "uncentred",
+            k=k or "V",
+            B=B,
+            tok_s=B * T / s,
+            s_step=s,
+            TFLOP_s=flops / s / 1e12,
+            MFU=flops / s / peak_flops,
+            compile_s=first[center] - s,
+            peak_GiB=peak,
+            x_uncentred=median_ratio(times[center], times[False]),
+        )
+        rows.append(row)
+    return rows
+
+
+def one_step(step, carry, batch):  # the updated weights and state go into the next step
+    carry[:] = step(*carry, batch)[:2]
+    return carry
+
+
+def time_train(cfg, w, batch, k, mesh, args, peak_flops):
+    B, M = batch["tokens"].shape
+    T0 = batch["prompt"].shape[1]
+    opt = optax.sgd(1e-4)
+    calls = {}
+    for center in (False, True):
+        step = train.make_train_step(cfg, opt, B, mesh, center)
+        params = jax.tree.map(jnp.copy, jax.device_put(w, train.shardings(w, mesh)))  # donated
+        calls[center] = partial(one_step, step, [params, opt.init(params)], batch)
+    first, times = timed_rounds(calls, args.repeats)
+    flops = train_flops(w, B, T0, M)
+    return train_rows(k, B, T0 + M, flops, first, times, peak_flops, peak_gib())
 
 
 def show(rows):  # a fixed-width table headed by the keys, numbers to 3 significant digits
@@ -140,7 +233,7 @@ def parse_args(argv=None):  # the flags and the model's config; a mistake: one l
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens T0 (default 16)")
     p.add_argument("--new", type=int, help="completion tokens M >= 2 (default 8; --tiny: 128)")
     p.add_argument("--rows", type=int, default=4, help="train step rows B (default 4)")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls a figure (default 3)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds, a call each (default 5)")
     p.add_argument("--out", help="also write the figures to this JSON file, a new one")
     args = p.parse_args(argv)
     args.new = (128 if args.tiny else 8) if args.new is None else args.new  # tiny: 0.1 ms a step
@@ -162,35 +255,39 @@ def parse_args(argv=None):  # the flags and the model's config; a mistake: one l
 
 def main(argv=None):
     args, cfg = parse_args(argv)
-    (T0, M, rows), key = (args.prompt, args.new, args.rows), jax.random.PRNGKey(0)
+    key = jax.random.PRNGKey(0)
     device = f"{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}"
     peak_flops, bandwidth, source = peaks(args.repeats)
-    w = random_weights(cfg, key)
-    print(f"{device}, load {os.getloadavg()[0]:.2f}, T0 {T0}, M {M}")
+    print(f"{device}, load {os.getloadavg()[0]:.2f}, T0 {args.prompt}, M {args.new}")
     print(f"{source}: {peak_flops / 1e12:.3g} TFLOP/s, {bandwidth / 1e9:.3g} GB/s", flush=True)
-    n = max(*args.batch, rows)  # random prompts [n, T0], positions from 0
-    prompt = jax.random.randint(key, (n, T0), 0, cfg["vocab_size"])
-    pos = jnp.tile(jnp.arange(T0), (n, 1))
-    samples, plain = [], {}  # plain: bf16 k 1's ms_step at each B, the first timed
-    for kind in ("bf16", "int8"):
-        w16 = train.sampler_weights(w, kind)
-        for B in args.batch:
-            for k in (1, 128) if kind == "bf16" else (128,):  # the head costs the same in int8
-                row = time_sampler(cfg, w16, kind, k, prompt[:B], pos[:B], args, bandwidth)
-                plain[B] = plain.get(B, row["ms_step"])
-                samples.append(row | dict(x_plain=row["ms_step"] / plain[B]))
+
+    # weights, prompts
+    w = random_weights(cfg, key)
+    sampler_w = {kind: train.sampler_weights(w, kind) for kind in ("bf16", "int8")}
+    n = max(*args.batch, args.rows)  # random prompts [n, T0], positions from 0
+    prompt = jax.random.randint(key, (n, args.prompt), 0, cfg["vocab_size"])
+    pos = jnp.tile(jnp.arange(args.prompt), (n, 1))
+
+    # the sampler at each B
+    samples = []
+    for B in args.batch:
+        samples += time_sampler(cfg, sampler_w, prompt[:B], pos[:B], args, bandwidth)
     show(samples)
-    mesh, steps, prompt, pos = Mesh(jax.devices(), ("data",)), [], prompt[:rows], pos[:rows]
+
+    # the train steps at each k, on the int8 sampler's rollouts (its weights, W8A8 matmuls)
+    mesh = Mesh(jax.devices(), ("data",))
+    prompt = prompt[: args.rows]
+    pos = pos[: args.rows]
+    adv = jax.random.normal(key, (args.rows,))  # random advantages
+    steps = []
     for k in (128, 0) if cfg["vocab_size"] <= 4096 else (128,):  # 0: exact (train.py: small V)
-        out = train.make_sampler(cfg, M, k, (-1,))(w16, prompt, pos, key)  # int8's rollouts
-        batch = dict(out, prompt=prompt, pos=pos, adv=jax.random.normal(key, (rows,)))
+        sample = train.make_sampler(cfg, args.new, k, (-1,), dict(mm=train.quant_mm("int8")))
+        batch = dict(sample(sampler_w["int8"], prompt, pos, key), prompt=prompt, pos=pos, adv=adv)
         batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))  # rows split
-        for center in (False, True):
-            row = time_train(cfg, w, batch, k, center, mesh, args, peak_flops)
-            if not center:
-                uncentred = row["s_step"]
-            steps.append(row | dict(x_uncentred=row["s_step"] / uncentred))
+        steps += time_train(cfg, w, batch, k, mesh, args, peak_flops)
     show(steps)
+
+    # the JSON record
     if args.out:
         report = dict(device=device, load=os.getloadavg(), peak=(peak_flops, bandwidth, source))
         with open(args.out, "x") as f:  # "x": never over an existing file
