@@ -214,14 +214,19 @@ def sequence_task(seed, eval_n, probe_n):
 # Loading: every check that config.json allows, before any download of data or weights
 
 
-def load(args, place=None):  # the task of the flags (--plan: the model's config.json)
-    cfg = SEQUENCE if args.task == "sequence" else hf_checkpoint.config(args.model)[0]
-    check_against_model(cfg, args)
-    if args.plan:
-        return cfg
-    if args.task == "sequence":
-        return sequence_task(args.seed, args.eval_n, args.probe_n)
-    return gsm8k_task(args.model, args.data_dir, args.eval_n, args.probe_n, place)
+def load(args, place=None):
+    """The task of the flags (--plan: the model's config.json). A bad checkpoint or data file: one
+    line, no traceback."""
+    try:
+        cfg = SEQUENCE if args.task == "sequence" else hf_checkpoint.config(args.model)[0]
+        check_against_model(cfg, args)
+        if args.plan:
+            return cfg
+        if args.task == "sequence":
+            return sequence_task(args.seed, args.eval_n, args.probe_n)
+        return gsm8k_task(args.model, args.data_dir, args.eval_n, args.probe_n, place)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def check_against_model(cfg, args):  # the flags that the model's config.json can refuse

@@ -843,6 +843,13 @@ def test_logits_match_transformers(tmp_path, tie):
     assert np.abs(expected).max() > 1  # not vacuous
 
 
+# cache vs full pass, batch vs each prompt alone: the same logits (|z| <= 11) in other sum orders;
+# measured (1/2/4/8 host devices, the suite's and XLA's default flags, 1 and 2 threads): <= 5.0e-6
+# apart, and the logits themselves moved by <= 7.9e-6 from variant to variant; tolerance 10x: 1e-4
+# (~1e-5 of the largest logit)
+LOGITS_ATOL = 1e-4
+
+
 def test_kv_cache_decoding_matches_full_pass(tiny, fwd):
     tokens = jax.random.randint(jax.random.key(0), (3, 10), 0, 300)
     full, _ = fwd(tokens, arange_pos(3, 10))
@@ -853,7 +860,7 @@ def test_kv_cache_decoding_matches_full_pass(tiny, fwd):
     for t in range(4, 10):  # one token per call, t0 traced
         logits, kv = fwd(tokens[:, t : t + 1], jnp.full((3, 1), t, jnp.int32), kv, t)
         outs.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=1e-5)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=LOGITS_ATOL)
     assert (kv["pos"] == jnp.array([list(range(10)) + [-1, -1]] * 3)).all()
     last, _ = qwen3.forward(
         tiny.cfg,
@@ -863,7 +870,7 @@ def test_kv_cache_decoding_matches_full_pass(tiny, fwd):
         qwen3.init_kv(tiny.cfg, 3, 12),
         last=1,
     )
-    np.testing.assert_allclose(last, full[:, 3:4], atol=1e-5)
+    np.testing.assert_allclose(last, full[:, 3:4], atol=LOGITS_ATOL)
 
 
 def test_left_padded_batch_equals_each_prompt_alone(fwd, tiny):
@@ -886,9 +893,9 @@ def test_left_padded_batch_equals_each_prompt_alone(fwd, tiny):
     for b, p in enumerate(prompts):
         n = len(p)
         alone, _ = fwd(jnp.array([p + cont[b].tolist()]), arange_pos(1, n + 4))
-        np.testing.assert_allclose(prefill[b, 7 - n :], alone[0, :n], atol=1e-5)
-        np.testing.assert_allclose(decoded[b], alone[0, n:], atol=1e-5)
-        np.testing.assert_allclose(no_cache[b, 7 - n :], alone[0], atol=1e-5)
+        np.testing.assert_allclose(prefill[b, 7 - n :], alone[0, :n], atol=LOGITS_ATOL)
+        np.testing.assert_allclose(decoded[b], alone[0, n:], atol=LOGITS_ATOL)
+        np.testing.assert_allclose(no_cache[b, 7 - n :], alone[0], atol=LOGITS_ATOL)
 
 
 def test_causal(fwd):
@@ -1870,7 +1877,10 @@ def test_kv_quantisation_error_is_bounded_and_compounds(tiny):
 def test_one_device_and_four_devices_give_the_same_step(tiny, lora, monkeypatch):
     """Two steps of SGD with momentum on 4 devices, FSDP (weights, gradients, momentum split; LoRA:
     the frozen base split, the adapters whole) and replicated: the loss, metrics and weights of 1
-    device; the outputs placed as the inputs came (no recompile)."""
+    device; the outputs placed as the inputs came (no recompile). Tolerances: reduction order alone
+    (1/2/4/8 devices x one/replicated/FSDP x micro-batch 16/8/4/2, the suite's and XLA's default
+    flags, 1 and 2 threads) moved the metrics by <= 1.3e-6 and the weights and momentum (|x| <= 2)
+    by <= 3.1e-7; atol 10x that, rounded up."""
     assert jax.device_count() == 4
     prompt, pos = _prompts(tiny.tokenizer, 16)
     out = train.make_sampler(tiny.cfg, 8, 8, STOP)(
@@ -1926,14 +1936,14 @@ def test_one_device_and_four_devices_give_the_same_step(tiny, lora, monkeypatch)
     for layout in ("replicated", "fsdp"):
         for m1, m4 in zip(res["one"][2], res[layout][2], strict=True):
             assert float(m1["grad_norm"]) > 1e-3
-            for k in m1:
+            for k in m1:  # atol: kl_q_p, the loss: means of log-prob differences, |log p| <= 9
                 np.testing.assert_allclose(
-                    m1[k], m4[k], rtol=1e-5, atol=1e-7, err_msg=f"{layout} {k}"
+                    m1[k], m4[k], rtol=1e-5, atol=2e-5, err_msg=f"{layout} {k}"
                 )
         for a, b in zip(
             jax.tree.leaves(res["one"][:2]), jax.tree.leaves(res[layout][:2]), strict=True
         ):
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=layout)
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=4e-6, err_msg=layout)
 
 
 def test_plan_prints_the_bytes_per_device_from_config_json_alone(tmp_path, monkeypatch, capsys):
@@ -2079,17 +2089,25 @@ def test_two_processes_of_two_devices_give_the_run_of_one_process_of_four(tmp_pa
     ]
     assert [sorted(r) for r in rows[0]] == [sorted(r) for r in rows[1]]
     assert rows[0][1]["drift"] > 1e-3
-    # atol: the loss and the drift are differences of nearby numbers
+    # reduction order alone (1 process x 1/2/4/8 devices, 2 processes x 1/2/4, --micro-batch 8/4/2,
+    # the suite's and XLA's default flags, 1 and 2 threads: 36 runs) moved the drift by <= 1.6e-6
+    # and kl_q_p by <= 2.2e-6: the drift is a token mean of log p_0 - log p_t and kl_q_p of
+    # log q - log p, each |log p| <= ~6, whose rounding scales with |log p|, not with their
+    # difference (a drift near 0 gets no relative slack); atol 10x: 3e-5 (~5e-6 |log p|)
+    tol = dict(rtol=1e-5, atol=3e-5)
     for a, b in zip(rows[0], rows[1], strict=True):
         for k in a:
-            np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+            np.testing.assert_allclose(b[k], a[k], **tol, err_msg=k)
     assert set(two) == set(one) and two["eval_acc"] == one["eval_acc"]
     for k in ("final_drift", "mean_kl_q_p", "reward"):
-        assert two[k] == pytest.approx(one[k], rel=1e-5, abs=1e-6), k
+        np.testing.assert_allclose(two[k], one[k], **tol, err_msg=k)
     one_w, two_w = (hf_checkpoint.load(str(tmp_path / d)).weights for d in ("one_w", "two_w"))
-    for a, b in zip(jax.tree.leaves(one_w), jax.tree.leaves(two_w), strict=True):
-        a, b = np.asarray(a), np.asarray(b)
-        assert np.mean(a != b) < 1e-3  # bf16: a rare last bit rounds a 1e-7 change
+    # bf16: a rare last bit rounds a 1e-7 change (measured: <= 2 of the 139,648 weights, each
+    # <= 1 bf16 ulp), counted over the whole model: in a 32-weight vector one flip is 3%
+    leaves = zip(jax.tree.leaves(one_w), jax.tree.leaves(two_w), strict=True)
+    pairs = [(np.asarray(a), np.asarray(b)) for a, b in leaves]
+    assert sum((a != b).sum() for a, b in pairs) < 1e-3 * sum(a.size for a, _ in pairs)
+    for a, b in pairs:
         # atol: near 0, where a weight is a difference of O(0.1) numbers, rounding is not relative
         np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-6)
 
@@ -2108,9 +2126,12 @@ def test_micro_batches_give_the_full_batch_token_mean(tiny):
         )
         for mb in (8, 2)
     ]
-    np.testing.assert_allclose(res[0][2]["loss"], res[1][2]["loss"], rtol=1e-5, atol=1e-7)
+    # reduction order alone (micro-batches of 8/4/2/1 rows on 1 device, of 8/4/2 on 2, 4 or 8, the
+    # suite's and XLA's default flags, 1 and 2 threads) moved the loss (a token mean of A·log p
+    # terms, |log p| <= 9) by <= 1.6e-7, the weights (|w| <= 2) by <= 1.3e-7; atol 10x, rounded up
+    np.testing.assert_allclose(res[0][2]["loss"], res[1][2]["loss"], rtol=1e-5, atol=2e-6)
     for a, b in zip(jax.tree.leaves(res[0][0]), jax.tree.leaves(res[1][0]), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+        np.testing.assert_allclose(a, b, atol=2e-6)
 
 
 @pytest.mark.parametrize(
@@ -2443,21 +2464,22 @@ def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, cap
     """The full LLM loop (sampler, KV cache, int8 + noise, top-k record, train step), shortened: on
     two seeds, uncentred GRPO walks farther and its held-out score falls further than centred
     GRPO's. Its four runs, three at once (the sequence task's --workers), log what they log one
-    after another, row for row."""
+    after another, row for row (seed 0's two runs, run again one at a time)."""
     seen = spy_center(monkeypatch)
-    flags = "--task sequence --compare --seeds 0,1 --steps 8 --lr 0.4 --eval-n 128 --probe-n 8"
-    summary = train.main([*flags.split(), "--out", str(tmp_path / "two")])
+    flags = "--task sequence --compare --steps 8 --lr 0.4 --eval-n 128 --probe-n 8".split()
+    summary = train.main([*flags, "--seeds", "0,1", "--out", str(tmp_path / "two")])
     assert sorted(seen) == [False, True]  # one train step traced per arm, shared by seeds, threads
     lines = capsys.readouterr().out.splitlines()
-    one = train.main([*flags.split(), "--workers", "1", "--out", str(tmp_path / "one")])
-    assert one == summary
+    one = train.main([*flags, "--seeds", "0", "--workers", "1", "--out", str(tmp_path / "one")])
+    assert all(one[name] == summary[name] for name in ("uncentered_seed0", "centered_seed0"))
     names = [f"{c}_seed{s}" for s in (0, 1) for c in ("uncentered", "centered")]
     for name in names:
         rows = [
             _strip(map(json.loads, open(tmp_path / d / name / "metrics.jsonl")))
             for d in ("two", "one")
+            if (tmp_path / d / name).exists()
         ]
-        assert rows[0] == rows[1] and len(rows[0]) == 9, name
+        assert rows[0] == rows[-1] and len(rows[0]) == 9 and len(rows) == 2 - name.endswith("1")
         steps = [line for line in lines if line.startswith(f"{name}: step ")]
         assert len(steps) == 9 and all(line.count(" | ") == 9 for line in steps), steps
     for s in (0, 1):
@@ -2468,14 +2490,6 @@ def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, cap
             on,
         )
         assert off["final_drift"] > 1.5 * on["final_drift"] > 0, (off, on)
-    # a seed inside --compare is the run of that seed alone (its own keys, data, noise and p_0)
-    solo = flags.replace("--compare --seeds 0,1", "--center --seed 1").split()
-    train.main([*solo, "--out", str(tmp_path / "solo")])
-    rows = [
-        _strip(map(json.loads, open(tmp_path / d / "metrics.jsonl")))
-        for d in ("solo", "two/centered_seed1")
-    ]
-    assert rows[0] == rows[1]
     table = [line.split() for line in lines if line.split(" ")[0] in names]  # not "name: step"
     assert [row[0] for row in table] == names
     assert float(table[0][3]) == pytest.approx(summary["uncentered_seed0"]["drop"], abs=1e-3)
@@ -2588,9 +2602,9 @@ def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
 def test_staleness_refreshes_the_sampler_every_s_plus_1_steps(gsm, monkeypatch):
     calls, real = [], train.sampler_weights
 
-    def spy(w, kind, *a):
+    def spy(w, kind, *a, **kw):
         calls.append(kind)
-        return real(w, kind, *a)
+        return real(w, kind, *a, **kw)
 
     monkeypatch.setattr(train, "sampler_weights", spy)
     sampler = ["--sampler", "fp8", "--kv-quant", "int8"]  # the end-to-end test's sampler and cache
@@ -3198,9 +3212,10 @@ def test_short_sweep_has_every_level_and_seed_and_the_mismatch_sets_the_arms_apa
     """--sweep 0,0.01,0.1 on two seeds, shortened: every level and seed is there, the measured
     kl_q_p grows with the noise, the gain is centred minus uncentred of the same seed; after one
     step from the same rollouts, the two arms' drift differs less with a clean bf16 sampler than
-    with 10% noise (the centring term scales with the mismatch)."""
+    with 10% noise (the centring term scales with the mismatch). At lr 0.1 a step stays small (at
+    0.4 both arms can overshoot to the same drift)."""
     argv = "--task sequence --sweep 0,0.01,0.1 --seeds 0,1 --steps 1 --eval-every 1".split()
-    argv += "--eval-n 8 --probe-n 8 --prompts 2 --group 4 --max-tokens 6 --lr 0.4".split()
+    argv += "--eval-n 8 --probe-n 8 --prompts 2 --group 4 --max-tokens 6 --lr 0.1".split()
     summary = train.main(argv + ["--out", str(tmp_path / "o")])
     saved = _strict_json((tmp_path / "o" / "summary.json").read_text())
     levels = saved["levels"]
@@ -3217,7 +3232,7 @@ def test_short_sweep_has_every_level_and_seed_and_the_mismatch_sets_the_arms_apa
             for s in (0, 1)
         ]
         assert r["gain"] == pytest.approx(100 * np.mean(gains), abs=1e-9)
-        assert r["gain_lo"] < r["gain"] < r["gain_hi"] and r["verdict"]
+        assert r["gain_lo"] <= r["gain"] <= r["gain_hi"] and r["verdict"]
     kl = [levels[k]["kl_q_p"] for k in levels]
     assert kl[0] < kl[1] < kl[2], kl
     assert summary["levels"]["bf16"]["kl_q_p"] == kl[0]

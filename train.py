@@ -3,7 +3,6 @@
     python train.py --center                       # Qwen3-0.6B on GSM8K, score-centred
     python train.py --compare --out runs/gsm8k     # centring off, then on: same seed and noise
     python train.py --task sequence --compare      # what drift costs, on a CPU: under a minute
-    python bandit.py                               # the mechanism in seconds: the toy
 
 What it is: REINFORCE with a group-mean baseline, whose rollouts come from a copy of the policy that
 runs with other numerics (bf16 / int8 / fp8 weights and KV cache, fixed weight noise, staleness),
@@ -14,10 +13,10 @@ trained with `score_centering.loss`. How it differs from textbook GRPO, and why:
 - advantages are rewards minus the group mean, not divided by the group's std (the paper's recipe);
 - plain SGD at a constant learning rate on float32 master weights (the paper's; --optimizer adam).
 
-It reads in order: the sampler and its mismatch, the train step, the GRPO loop, one run, main (the
-tasks are in tasks.py; flags, logs and resumable state in harness.py). Shapes in brackets: P prompts
-a step, G rollouts a prompt, B = P·G rows, T positions, T0 prompt length, M completion length,
-V vocabulary, k the top-k head size, L layers, K key/value heads, H head dimension.
+In order: the sampler and its mismatch, the train step, the GRPO loop, one run, main (the tasks:
+tasks.py; flags, logs, resumable state: harness.py). Shapes: P prompts a step, G rollouts a prompt,
+B = P·G rows, T positions, T0 prompt length, M completion length, V vocabulary, k the top-k head
+size, L layers, K key/value heads, H head dimension.
 """
 
 import functools
@@ -42,15 +41,14 @@ import tasks
 from devices import host, shardings
 
 TEMPERATURE = 1.0  # the sampler's; the recorded log q is the post-temperature distribution
-# the input (contracted) axes of each matmul weight in qwen3.layout, after the stacked layer axis:
-# fan-in at initialisation, per-output-channel quantisation, LoRA's lora_a
+SAMPLER_DTYPE = jnp.bfloat16  # the sampler's weights and activations (W8A8: the stored values)
+# the input axes of each matmul weight, after the layer axis: quantised per output channel; lora_a
 INPUT_AXES = dict(q=(1,), k=(1,), v=(1,), o=(1, 2), gate=(1,), up=(1,), down=(1,), embed=(1,))
-INPUT_AXES["lm_head"] = (1,)
+INPUT_AXES["lm_head"] = (1,)  # untied: the output head, [V, D] like the embedding
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # LoRA's: every attention and MLP matmul
 
 # -------------------------------------------------------------------------------------------------
-# How rollouts are made: a bf16 copy of the trainer's weights with its own numerics (W8A8, noise, a
-# quantised KV cache), and jitted KV-cache decoding that records what score_centering.loss needs
+# The sampler: a bf16 copy of the weights, its own numerics; KV-cache decoding that records q
 
 
 def fake_quant(x, axes, kind):  # symmetric, one scale per slice reduced over `axes`: int8 or fp8
@@ -62,8 +60,8 @@ def fake_quant(x, axes, kind):  # symmetric, one scale per slice reduced over `a
 
 
 def kv_quant(kind):
-    """Keys or values [B, T, K, H] as a quantised cache keeps them: int8 per token and head, or fp8
-    (e4m3) at unit scale, saturating at its largest value; None: a plain cache."""
+    """Keys or values [B, T, K, H] as a quantised cache holds them (int8: per token and head; fp8:
+    e4m3 at unit scale, saturating); None: a plain cache."""
 
     def fp8(a):
         return jnp.clip(a.astype(jnp.float32), -448, 448).astype(jnp.float8_e4m3fn).astype(a.dtype)
@@ -73,8 +71,8 @@ def kv_quant(kind):
 
 @partial(jax.jit, static_argnums=(1, 2))
 def sampler_weights(w, kind, sigma=0.0, key=None):
-    """bf16 copy of w ⊙ (1 + σε), ε ~ N(0, 1) from `key`: the same at each refresh, a persistent
-    bias; kind int8 or fp8 fake-quantises every matmul weight per output channel."""
+    """SAMPLER_DTYPE copy of w ⊙ (1 + σε), ε ~ N(0, 1) from `key`: the same at each refresh, a
+    persistent bias; kind int8 or fp8 fake-quantises every matmul weight per output channel."""
     if sigma:
         leaves, tree = jax.tree.flatten(w)
         keys = tree.unflatten(list(jax.random.split(key, len(leaves))))  # a key a weight
@@ -88,7 +86,7 @@ def sampler_weights(w, kind, sigma=0.0, key=None):
             }
 
         w = dict(quant(w), layers=quant(w["layers"]))
-    return jax.tree.map(lambda x: x.astype(jnp.bfloat16), w)
+    return jax.tree.map(lambda x: x.astype(SAMPLER_DTYPE), w)
 
 
 def quant_mm(kind):  # W8A8: the activation is fake-quantised per token (over the contracted axes)
@@ -100,21 +98,21 @@ def quant_mm(kind):  # W8A8: the activation is fake-quantised per token (over th
     return jnp.einsum if kind == "bf16" else mm
 
 
-def make_sampler(
-    cfg, max_tokens, topk, eos_ids, mm=jnp.einsum, dtype=jnp.bfloat16, greedy=False, kv=None
-):
+def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False):
     """fn(weights, prompt [B, T0], pos [B, T0], key) -> dict of tokens, logq, mask [B, M] and the
     head: head_ids, head_logq [B, M, k], log q after temperature over the whole vocabulary (topk 0:
     the full [B, M, V] log q, no ids). Prefills once, then decodes a token a step until every row
-    has ended its turn. mm: the matmuls (quant_mm); kv: the cache's quantiser (kv_quant)."""
-    fwd, eos = partial(qwen3.forward, cfg, mm=mm, dtype=dtype, kv_quant=kv), jnp.array(eos_ids)
+    has ended its turn. numerics: qwen3.forward's mm (quant_mm), dtype (SAMPLER_DTYPE), kv_quant."""
+    numerics = dict(dtype=SAMPLER_DTYPE) | (numerics or {})
+    fwd, eos = partial(qwen3.forward, cfg, **numerics), jnp.array(eos_ids)
 
     def sample(w, prompt, pos, key):
         B, T0 = prompt.shape
         M, k = max_tokens, topk or cfg["vocab_size"]
 
         # prefill: the prompt into the KV cache, the logits that predict the first token
-        logits, cache = fwd(w, prompt, pos, qwen3.init_kv(cfg, B, T0 + M, dtype), 0, last=1)
+        cache = qwen3.init_kv(cfg, B, T0 + M, numerics["dtype"])
+        logits, cache = fwd(w, prompt, pos, cache, 0, last=1)
 
         # decode: a token a step, drawn from q and recorded with log q and the head of q
         def body(carry):
@@ -133,8 +131,12 @@ def make_sampler(
         def running(carry):  # until M tokens, or every row has ended its turn
             return (carry[0] < M) & ~carry[3].all()
 
-        out = dict(tokens=jnp.zeros((M, B), jnp.int32), logq=jnp.zeros((M, B)))  # [M, B, ...]:
-        out |= dict(mask=jnp.zeros((M, B), bool), head_logq=jnp.zeros((M, B, k)))  # a step a slab
+        out = dict(  # [M, B, ...]: each step writes one contiguous slab
+            tokens=jnp.zeros((M, B), jnp.int32),
+            logq=jnp.zeros((M, B)),
+            mask=jnp.zeros((M, B), bool),
+            head_logq=jnp.zeros((M, B, k)),
+        )
         if topk:
             out["head_ids"] = jnp.zeros((M, B, k), jnp.int32)
         start = (0, logits, cache, jnp.zeros(B, bool), out, key)
@@ -145,8 +147,7 @@ def make_sampler(
 
 
 # -------------------------------------------------------------------------------------------------
-# How the policy learns: float32 logits on prompt + completion, score_centering.loss, the FSDP
-# layout, optionally LoRA adapters
+# The train step: float32 logits, score_centering.loss, FSDP, optionally LoRA adapters
 
 
 def completion_logits(cfg, w, prompt, pos, tokens):
@@ -171,13 +172,12 @@ def lora_init(w, rank, key):  # lora_a ~ N(0, 1/fan-in), lora_b = 0: the policy 
         x = w["layers"][name]  # [L, inputs..., outputs...]
         fan_in = math.prod(x.shape[1 : 1 + len(INPUT_AXES[name])])
         lora_a = jax.random.normal(k, (x.shape[0], fan_in, rank)) * fan_in**-0.5
-        adapters[name] = dict(
-            lora_a=lora_a, lora_b=jnp.zeros((x.shape[0], rank, x[0].size // fan_in))
-        )
+        lora_b = jnp.zeros((x.shape[0], rank, x[0].size // fan_in))
+        adapters[name] = dict(lora_a=lora_a, lora_b=lora_b)
     return adapters
 
 
-def merge(params, base, scale):
+def merge(params, base, scale=None):
     """The policy's weights: base + scale · lora_a lora_b per projection (no base: the params)."""
     if base is None:
         return params
@@ -189,12 +189,10 @@ def merge(params, base, scale):
 
 
 def make_train_step(cfg, opt, micro_batch, mesh, center, tis_cap=None, mis=None, lora_scale=None):
-    """fn(params, opt_state, batch, base=None) -> (params, opt_state, metrics); params: the weights,
-    or LoRA adapters on the frozen `base`; batch: the sampler's record, prompt, pos [B, T0], adv
-    [B]. Gradients accumulate over micro-batches, each split over the devices; the loss is the token
-    mean over the whole batch. Weights, gradients and optimizer state stay split as
-    `shardings` says (LoRA: the base; the adapters and their state whole on every device)."""
-    rows = NamedSharding(mesh, PartitionSpec(None, "data"))
+    """fn(params, opt_state, batch, base=None) -> (params, opt_state, metrics); params: weights, or
+    LoRA adapters on the frozen `base`; batch: the sampler's record, prompt, pos [B, T0], adv [B].
+    Gradients accumulate over micro-batches split over the devices, the loss a token mean over the
+    batch; weights and optimizer state split as `shardings` says (LoRA adapters: whole)."""
     options = dict(center=center, tis_cap=tis_cap, mis=mis)  # all that --center changes: a keyword
 
     def token_sum_loss(params, base, b):
@@ -208,7 +206,7 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, tis_cap=None, mis=None,
 
     def micro_batches(x):  # [B, ...] -> [B / mb, mb, ...]
         x = x.reshape(micro_batch, -1, *x.shape[1:]).swapaxes(0, 1)
-        return jax.lax.with_sharding_constraint(x, rows)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, "data")))
 
     def step(params, opt_state, batch, base=None):
         def keep(tree):  # FSDP shards (LoRA adapters: whole), outputs as inputs came: one compile
@@ -236,9 +234,8 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, tis_cap=None, mis=None,
         # a loss, gradient or weight that is not finite: the update is skipped, the run told
         leaves = jax.tree.leaves((metrics["loss"], grads, new))
         finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
-        new, new_state = jax.tree.map(
-            partial(jnp.where, finite), (new, new_state), (params, opt_state)
-        )
+        choose = partial(jnp.where, finite)
+        new, new_state = jax.tree.map(choose, (new, new_state), (params, opt_state))
         return *keep((new, new_state)), metrics | dict(finite=finite)
 
     return jax.jit(step, donate_argnums=(0, 1))
@@ -249,9 +246,7 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, tis_cap=None, mis=None,
 
 
 def grpo(
-    params,
-    opt_state,
-    w_sampler,
+    state,
     *,
     start,
     steps,
@@ -266,13 +261,12 @@ def grpo(
     evaluate,
     record,
 ):
-    """'GRPO' from step `start` to `steps`; returns the policy's params and optimizer state.
-    params: the policy's weights (or LoRA adapters); w_sampler: the sampler's copy (None: make one).
-    refresh(params) -> the sampler's copy; sample(w_sampler, step) -> the sampler's record of the
-    step's rollouts (tokens, mask, log q, its head [B, M, ...]) and their golds; reward(tokens,
-    mask, golds) -> [B]; train_step(params, opt_state, batch) -> (params, opt_state, metrics);
-    evaluate(params) -> drift and held-out score; record(row, params, opt_state, w_sampler): logs
-    and keeps the step (harness.recorder)."""
+    """'GRPO' from step `start` to `steps`; state: the policy's params (weights or LoRA adapters),
+    their optimizer state and the sampler's copy (None: made first). refresh(params) -> the copy;
+    sample(w_sampler, step) -> the step's rollouts (tokens, mask, log q, its head) and golds;
+    reward(tokens, mask, golds) -> [B]; train_step(params, opt_state, batch) -> (params, opt_state,
+    metrics); evaluate(params) -> drift, held-out score; record(row, params, opt_state, copy)."""
+    params, opt_state, w_sampler = state
     for step in range(start, steps + 1):
         row = dict(step=step)
         if step % (staleness + 1) == 0:  # the sampler is refreshed this step: old copy out first
@@ -317,31 +311,35 @@ def token_logp(cfg, w, b):  # the trainer's log p [B, M] of the completion token
     return jnp.take_along_axis(logp, b["tokens"][..., None], -1)[..., 0]
 
 
-Programs = namedtuple("Programs", "mesh opt lora_scale merge steps samplers greedy prober logp")
+Programs = namedtuple("Programs", "mesh opt policy steps samplers greedy prober logp")
 
 
 def build(args, cfg, eos):
-    """The jitted programs, compiled once and shared by every run of a --compare: a train step for
-    each arm, a rollout sampler for each kind of numerics, the greedy evaluator and the probe's
-    sampler (clean bf16), and the trainer's log p for the drift meter."""
+    """The jitted programs, compiled once and shared by the runs of a --compare: a train step an
+    arm, a sampler a kind of numerics, the greedy and the probe's (clean bf16) samplers, log p for
+    the drift meter, the policy's weights (LoRA: merged)."""
     mesh = Mesh(np.array(jax.devices()), ("data",))
     opt = getattr(optax, args.optimizer)(args.lr)  # sgd, adam or adamw (optax's decay: 1e-4)
     lora_scale = args.lora and args.lora_alpha / args.lora
     loss_flags = dict(tis_cap=args.tis_cap, mis=args.mis, lora_scale=lora_scale)
-    steps = [
-        make_train_step(cfg, opt, args.micro_batch, mesh, c, **loss_flags) for c in (False, True)
-    ]
-    lora_merge = jax.jit(merge, static_argnums=2) if args.lora else merge  # each device its part
 
     @functools.cache
     def samplers(kind):
-        mm, kv = quant_mm(kind), kv_quant(args.kv_quant)
-        return make_sampler(cfg, args.max_tokens, args.topk, eos, mm, kv=kv)
+        numerics = dict(mm=quant_mm(kind), kv_quant=kv_quant(args.kv_quant))
+        return make_sampler(cfg, args.max_tokens, args.topk, eos, numerics)
 
-    greedy = make_sampler(cfg, args.max_tokens, 1, eos, greedy=True)
-    prober = make_sampler(cfg, args.max_tokens, 1, eos)
-    logp = jax.jit(partial(token_logp, cfg))
-    return Programs(mesh, opt, lora_scale, lora_merge, steps, samplers, greedy, prober, logp)
+    steps = [make_train_step(cfg, opt, args.micro_batch, mesh, c, **loss_flags) for c in (0, 1)]
+    policy = jax.jit(partial(merge, scale=lora_scale)) if args.lora else merge  # LoRA: merged
+    return Programs(
+        mesh=mesh,
+        opt=opt,
+        policy=policy,
+        steps=steps,
+        samplers=samplers,
+        greedy=make_sampler(cfg, args.max_tokens, 1, eos, greedy=True),
+        prober=make_sampler(cfg, args.max_tokens, 1, eos),
+        logp=jax.jit(partial(token_logp, cfg)),
+    )
 
 
 def run(args, task, fn, center, seed, out, prefix=""):
@@ -362,8 +360,7 @@ def run(args, task, fn, center, seed, out, prefix=""):
     where = replicated if args.lora else shardings(jax.eval_shape(fn.opt.init, params), fn.mesh)
     opt_state = jax.jit(fn.opt.init, out_shardings=where)(params)  # no device holds all of Adam's
 
-    def policy(params):
-        return fn.merge(params, base, fn.lora_scale)
+    policy = partial(fn.policy, base=base)  # the weights of params (LoRA: merged into the base)
 
     def copy(params, kind="bf16", sigma=0.0):  # the sampler's: whole on every device
         return jax.device_put(sampler_weights(policy(params), kind, sigma, noise_key), replicated)
@@ -374,8 +371,8 @@ def run(args, task, fn, center, seed, out, prefix=""):
     test, golds = [p for p, _ in task.test], [gold for _, gold in task.test]
 
     def evaluate(params):
-        out = rollouts.generate(fn.greedy, copy(params), test, task.pad, key, data, n)
-        acc = float(np.mean(task.reward(out["tokens"], out["mask"], golds)))
+        greedy = rollouts.generate(fn.greedy, copy(params), test, task.pad, key, data, n)
+        acc = float(np.mean(task.reward(greedy["tokens"], greedy["mask"], golds)))
         return dict(drift=drift(policy(params)), acc=acc)
 
     # the rollouts: P prompts a step, each G times, in an order drawn from the seed
@@ -394,11 +391,9 @@ def run(args, task, fn, center, seed, out, prefix=""):
     # the loop, from the saved state if there is one
     template = copy(params) if args.staleness else None  # the shapes of a saved sampler copy
     hist = dict(step=0, acc={}, drift={}, kl_q_p=[], reward=[])
-    hist, (params, opt_state, w_sampler) = harness.resume(out, hist, params, opt_state, template)
+    hist, state = harness.resume(out, hist, params, opt_state, template)
     params, opt_state = grpo(
-        params,
-        opt_state,
-        w_sampler,
+        state,
         start=hist["step"],
         steps=args.steps,
         staleness=args.staleness,
@@ -428,10 +423,7 @@ def main(argv=None):
     harness.start(args)
 
     def work():
-        try:
-            task = tasks.load(args, shardings)
-        except (ValueError, OSError) as e:  # bad data or checkpoint: one line, no traceback
-            raise SystemExit(f"error: {e}") from None
+        task = tasks.load(args, shardings)  # one line on bad data or checkpoint: no traceback
         if args.plan:
             return plan.plan(args, dict(task), build(args, task, (0,)), shardings, lora_init)
         fn = build(args, task.cfg, task.eos)
