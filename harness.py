@@ -62,7 +62,8 @@ def declare(p, defaults=True):  # defaults=False: none, to see which flags were 
     a("--compare", "centring off, then on, from the same start; one table", **switch)
     a("--seeds", "with --compare: the seeds to run, e.g. 0,1", type=csv(int))
     a("--workers", "with --compare: runs at once, threads sharing the compiled programs", type=int)
-    a("--sweep", f"--compare at each mismatch: σ (bf16, noise σ) or int8, fp8 ({SWEEP})", **sweep)
+    sweep_help = "--compare at each mismatch: σ (bf16, noise σ) or int8, fp8; on the sequence task"
+    a("--sweep", f"{sweep_help} 8 seeds, 150 steps, --topk 0 unless given ({SWEEP})", **sweep)
     a("--model", "Hugging Face repo id or local checkpoint directory", default=QWEN3_06B)
     a("--data-dir", "folder with GSM8K train.jsonl and test.jsonl (default: download once, cached)")
     a("--seed", "seed of the data order, the sampler's noise and the rollouts", type=int, default=0)
@@ -82,7 +83,7 @@ def declare(p, defaults=True):  # defaults=False: none, to see which flags were 
     a("--optimizer", "no schedule: nothing confounds drift", choices=OPTIMIZERS, default="sgd")
     a("--baseline", "r - group mean, or raw r", choices=["group", "none"], default="group")
     a("--micro-batch", "rows a forward/backward pass (default: <= 8,192 tokens)", type=int)
-    a("--topk", "sampler head recorded per token; 0: all V (exact)", type=int, default=128)
+    a("--topk", "sampler head recorded per token; 0: all V (exact)", type=int)
     a("--tis-cap", "truncated importance sampling, w = min(p/q, C) (default: off)", type=float)
     a("--mis", "masked IS: w = p/q inside LO,HI, else 0 (default: off)", type=csv(float))
     a("--lora", "train LoRA adapters of this rank on every projection (default: off)", type=int)
@@ -280,9 +281,10 @@ def parse_args(argv=None, description=None):
 
     # the defaults that depend on the task, and on the devices
     args.compare = args.compare or bool(args.sweep)  # a sweep is a --compare at every level
-    vars(args).update(
-        {k: d for k, d in tasks.RECIPE[args.task].items() if getattr(args, k) is None}
-    )
+    recipe = tasks.RECIPE[args.task]
+    if args.sweep and args.task == "sequence":
+        recipe = recipe | tasks.SWEEP_RECIPE  # its own: 8 seeds, 150 steps, exact centring
+    vars(args).update({k: d for k, d in recipe.items() if getattr(args, k) is None})
     if jax.process_count() > 1:  # processes enter a run's collectives together: one run at a time
         args.workers = 1
     if args.micro_batch is None:

@@ -1,7 +1,7 @@
 """When does centring pay, and is the sweep sure of it? `train.py --sweep` runs --compare
 (centring off, then on, same seeds) at each level of mismatch; this file reads those runs.
 
-    python train.py --task sequence --sweep --seeds 0,...,7 --steps 600 --eval-every 50 --plot s.png
+    python train.py --task sequence --sweep --plot s.png      # 8 seeds, 150 steps: about 10 min
 
 One row per level: the sampler's measured mismatch (kl_q_p, the token mean of log q - log p on the
 rollouts, not the nominal noise), the final drift of each arm and their ratio, the held-out score
@@ -23,8 +23,8 @@ import numpy as np
 import harness
 
 # a run's score at its end: the mean of its last 4 evaluations. One evaluation's noise is 1 to 2
-# points; four halve it (if independent), and at --eval-every 50 of 600 steps they stay in the
-# last quarter of the run (steps 450 to 600): the end, not the path there
+# points; four halve it (if independent). At the default 25 of 150 steps they are steps 75 to 150,
+# at 200 of 3,000 steps 2,400 to 3,000: the end of the run, not the path there
 LAST = 4
 
 

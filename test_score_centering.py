@@ -2625,6 +2625,17 @@ def test_several_processes_run_a_compare_one_run_at_a_time(monkeypatch):
     assert harness.parse_args("--task sequence --compare --workers 2".split()).workers == 1
 
 
+def test_a_sequence_sweep_defaults_to_eight_seeds_and_exact_centring_unless_told():
+    sweep = harness.parse_args("--task sequence --sweep".split())
+    assert (sweep.seeds, sweep.steps, sweep.eval_every, sweep.topk) == (tuple(range(8)), 150, 25, 0)
+    given = "--task sequence --sweep int8 --seeds 3 --steps 40 --eval-every 5 --topk 128".split()
+    told = harness.parse_args(given)
+    assert (told.seeds, told.steps, told.eval_every, told.topk) == ((3,), 40, 5, 128)
+    compare = harness.parse_args("--task sequence --compare".split())  # not a sweep: its recipe
+    assert (compare.seeds, compare.steps, compare.topk) == (None, 150, 128)
+    assert harness.parse_args("--sweep 0".split()).seeds is None  # GSM8K: no sweep recipe
+
+
 def test_micro_batch_default_fits_small_batches_and_help_shows_defaults(capsys):
     assert harness.parse_args(["--prompts", "2", "--group", "2"]).micro_batch == 4
     assert harness.parse_args(["--prompts", "32", "--group", "8"]).micro_batch == 16
