@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import score_centering as sc
 
 V = 16  # arms
-B = 256  # rollouts a step: 32 prompts x a group of 8
+B = 256  # rollouts a step: 32 groups of 8 (a bandit has one prompt)
 GROUP = 8  # the rollouts of one prompt: --baseline group subtracts their mean
 
 
@@ -70,9 +70,8 @@ def bandit(
 
 def main(argv=None):
     p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument(
-        "--baseline", choices=["none", "group"], default="none", help="r, or r - its group's mean"
-    )
+    group = "r - its group's mean (here it removes drift exactly: centring changes nothing)"
+    p.add_argument("--baseline", choices=["none", "group"], default="none", help="r, or " + group)
     p.add_argument("--steps", type=int, default=200, help="SGD steps")
     p.add_argument("--lr", type=float, default=0.5, help="learning rate")
     p.add_argument("--noise", type=float, default=0.5, help="std of the sampler's logit offset")

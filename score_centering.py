@@ -24,10 +24,10 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 # 5. Drift accumulates. After each step the sampler is rebuilt from the new trainer weights and
 #    comes out biased the same way again (same quantiser, same noise), so the trainer chases a
 #    target that moves with it: a walk without bound. A frozen sampler is a fixed target: drift
-#    distils p onto q, then stops.
+#    moves p toward (or, by step 4's sign, away from) the same q, not after a moving one.
 # 6. A group-mean baseline (GRPO) makes the group's mean advantage zero, not E_q[A | h] at every
-#    prefix of every sequence, so drift survives it in sequences. (In a one-step bandit it
-#    vanishes in expectation.)
+#    prefix of every sequence, so drift survives it in sequences. (In a one-step bandit, whose
+#    group shares its one prefix, the group's advantages sum to 0 there: drift vanishes exactly.)
 # 7. Score centering subtracts the sampler-expected score from every token's score:
 #    s̃_y = s_y − Σ_v q(v) s_v. Then E_q[s̃_y] = 0 and E_q[A s̃_y] = Cov_q(A, s_y): drift gone,
 #    signal kept. In logit space the centred score is e_y − q instead of e_y − p.
@@ -45,8 +45,8 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    band drops out of both terms; the band [0, ∞) is untruncated IS.
 # 10. Top-k: q over a 151k vocabulary at every token is too big to keep, so the sampler records
 #     its head: its top-k ids and their log q, normalised over the full vocabulary. Model the
-#     tail as proportional to the trainer, with ε = EPS:
-#         q̂(v) = ρ p(v) off the head,   ρ = max(1 − Σ_head q, ε) / max(1 − Σ_head p, ε).
+#     tail as proportional to the trainer (EPS a floor on the tail masses):
+#         q̂(v) = ρ p(v) off the head,   ρ = max(1 − Σ_head q, EPS) / max(1 − Σ_head p, EPS).
 #     By step 2, Σ_tail p(v) s_v = −Σ_head p(v) s_v, so the correction touches only k logits:
 #         Σ_v q̂(v) s_v = Σ_{v∈head} (q(v) − ρ p(v)) s_v.
 #     With IS the tail's ratio p / q̂ = 1/ρ is constant, so the tail's effective mass is α p, and
@@ -105,7 +105,7 @@ def loss(
     mask = mask.astype(bool)
     n = jnp.maximum(mask.sum(), 1).astype(jnp.float32)  # trained tokens
 
-    def trained(x):  # inputs at masked tokens may be garbage (NaN, inf): zeroed before any use
+    def trained(x):  # float inputs at masked tokens may be garbage (NaN, inf): zeroed first
         return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 2)), x, 0)
 
     def token_mean(x):  # step 8

@@ -8,7 +8,7 @@ What it is: REINFORCE with a group-mean baseline, whose rollouts come from a cop
 runs with other numerics (bf16 / int8 / fp8 weights and KV cache, fixed weight noise, staleness),
 trained with `score_centering.loss`. How it differs from textbook GRPO, and why:
 - no KL penalty to a reference model: it would pull toward the start and hide the drift under study;
-- no PPO ratio clipping: one optimizer step per batch, so the only off-policyness is the mismatch;
+- no PPO ratio clipping: one optimizer step per batch, so the only off-policyness is the sampler's;
 - a token-mean loss over the whole batch, not a mean of per-sequence means (score_centering.py, 8);
 - advantages are rewards minus the group mean, not divided by the group's std (the paper's recipe);
 - plain SGD at a constant learning rate on float32 master weights (the paper's; --optimizer adam).
@@ -292,8 +292,8 @@ def grpo(
         params, opt_state, metrics = train_step(params, opt_state, rollout)
 
         # measure; an update that is not finite was skipped, and the run stops at this step
-        row |= metrics | dict(reward=r.mean(-1), length=rollout["mask"].sum(-1).mean(-1))
-        finite = np.all(metrics["finite"])
+        row |= metrics | dict(reward=r.mean(), length=rollout["mask"].sum(-1).mean())
+        finite = bool(metrics["finite"])
         if not finite and "drift" not in row:
             row |= evaluate(params)
         record(row, params, opt_state, w_sampler)
@@ -365,7 +365,7 @@ def run(args, task, fn, center, seed, out, prefix=""):
     def copy(params, kind="bf16", sigma=0.0):  # the sampler's: whole on every device
         return jax.device_put(sampler_weights(policy(params), kind, sigma, noise_key), replicated)
 
-    # the drift meter, on completions drawn once from p_0; the held-out score, greedy
+    # the drift meter, on completions drawn once from p_0's clean bf16 copy; the held-out score
     probe = rollouts.generate(fn.prober, copy(params), task.probe, task.pad, probe_key, data, n)
     drift = rollouts.drift_meter(fn.logp, probe, policy(params), args.micro_batch, data)
     test, golds = [p for p, _ in task.test], [gold for _, gold in task.test]
