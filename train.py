@@ -42,7 +42,9 @@ from devices import host, shardings
 
 TEMPERATURE = 1.0  # the sampler's; the recorded log q is the post-temperature distribution
 SAMPLER_DTYPE = jnp.bfloat16  # the sampler's weights and activations (W8A8: the stored values)
-# the input axes of each matmul weight, after the layer axis: quantised per output channel; lora_a
+# each matmul weight's contracted (input) axes as its array indexes them: [L, inputs..., outputs...]
+# in a layer, [V, D] for the embedding and head. One quantisation scale per output channel; lora_a
+# spans these axes
 INPUT_AXES = dict(q=(1,), k=(1,), v=(1,), o=(1, 2), gate=(1,), up=(1,), down=(1,), embed=(1,))
 INPUT_AXES["lm_head"] = (1,)  # untied: the output head, [V, D] like the embedding
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # LoRA's: every attention and MLP matmul
@@ -204,7 +206,8 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, tis_cap=None, mis=None,
         )
         return loss * b["mask"].sum(), (metrics, b["mask"].sum())  # token sums: / n_tokens below
 
-    def micro_batches(x):  # [B, ...] -> [B / mb, mb, ...]
+    # [B, ...] -> [B / mb, mb, ...]: mb = micro_batch rows a pass, row i in pass i % (B / mb)
+    def micro_batches(x):
         x = x.reshape(micro_batch, -1, *x.shape[1:]).swapaxes(0, 1)
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, "data")))
 
@@ -265,7 +268,8 @@ def grpo(
     their optimizer state and the sampler's copy (None: made first). refresh(params) -> the copy;
     sample(w_sampler, step) -> the step's rollouts (tokens, mask, log q, its head) and golds;
     reward(tokens, mask, golds) -> [B]; train_step(params, opt_state, batch) -> (params, opt_state,
-    metrics); evaluate(params) -> drift, held-out score; record(row, params, opt_state, copy)."""
+    metrics); evaluate(params) -> drift, held-out score; record(row, params, opt_state, copy).
+    `run`, below, defines each of them for one run."""
     params, opt_state, w_sampler = state
     for step in range(start, steps + 1):
         row = dict(step=step)
