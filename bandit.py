@@ -1,6 +1,6 @@
 """The toy bandit: the mechanism of drift in seconds, through the very same loss.
 
-    python bandit.py    # centring off and on, with an online and a frozen sampler; --plot FILE.png
+    python bandit.py    # centring off and on, with an online and a frozen sampler; --plot FILE
 
 The policy is a vector of V logits; the sampler's are the trainer's plus a fixed random offset (a
 persistent bias, like a quantiser's). Each rollout is one token, rewarded 1 with the arm's success
@@ -77,7 +77,7 @@ def main(argv=None):
     p.add_argument("--noise", type=float, default=0.5, help="std of the sampler's logit offset")
     p.add_argument("--tis-cap", type=float, help="truncated IS, w = min(p/q, C)")
     p.add_argument("--seed", type=int, default=0, help="of the toy and of the rollouts")
-    p.add_argument("--plot", metavar="FILE", help="draw drift against steps into FILE.png")
+    p.add_argument("--plot", metavar="FILE", help="draw drift against steps into FILE (a PNG)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.lr <= 0 or (args.tis_cap is not None and args.tis_cap <= 0):
         p.error("--steps, --lr and --tis-cap must be > 0 (omit --tis-cap for no IS)")

@@ -1993,7 +1993,9 @@ def test_plan_prints_the_bytes_per_device_from_config_json_alone(tmp_path, monke
         assert rows["weights"] == 4 * (matrices // 4 + vectors)
         # Σ (in + out) x r
         adapters = 4 * L * lora * (7 * D + 2 * N * H + 2 * K * H + 3 * F) if lora else 0
-        assert rows["adapters"] == adapters  # whole on every device: A [L, in, r] and B [L, r, out]
+        assert (
+            rows["adapters"] == adapters
+        )  # whole on every device: lora_a [L, in, r], lora_b [L, r, out]
         assert rows["gradients"] == (adapters or rows["weights"])
         # Adam's two moments and its step count
         assert rows["optimizer state"] == 2 * rows["gradients"] + 4

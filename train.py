@@ -16,7 +16,7 @@ trained with `score_centering.loss`. How it differs from textbook GRPO, and why:
 In order: the sampler and its mismatch, the train step, the GRPO loop, one run, main (the tasks:
 tasks.py; flags, logs, resumable state: harness.py). Shapes: P prompts a step, G rollouts a prompt,
 B = P·G rows, T positions, T0 prompt length, M completion length, V vocabulary, k the top-k head
-size, L layers, K key/value heads, H head dimension.
+size, D model width, L layers, K key/value heads, H head dimension.
 """
 
 import functools
@@ -288,7 +288,7 @@ def grpo(
             w_sampler = refresh(params)
         rollout, golds = sample(w_sampler, step)
 
-        # score, and advantages: each reward minus its group's mean
+        # score, and advantages: each reward minus its group's mean (--baseline none: the reward)
         r = np.asarray(reward(rollout["tokens"], rollout["mask"], golds))
         rollout["adv"] = advantage(r.astype(np.float32), group, baseline)
 
