@@ -332,7 +332,9 @@ def build(args, cfg, eos):
         numerics = dict(mm=quant_mm(kind), kv_quant=kv_quant(args.kv_quant))
         return make_sampler(cfg, args.max_tokens, args.topk, eos, numerics)
 
-    steps = [make_train_step(cfg, opt, args.micro_batch, mesh, c, **loss_flags) for c in (0, 1)]
+    steps = [
+        make_train_step(cfg, opt, args.micro_batch, mesh, c, **loss_flags) for c in (False, True)
+    ]
     policy = jax.jit(partial(merge, scale=lora_scale)) if args.lora else merge  # LoRA: merged
     return Programs(
         mesh=mesh,
