@@ -164,9 +164,9 @@ def loss(
     metrics["head_mass_p"] = token_mean(p_mass)
     metrics["correction"] = token_mean(jnp.abs(c_head).sum(-1))
 
-    # centred score (step 11)
+    # centred score (step 11); c log p = 0 where c = 0, even at p = 0 (a -inf logit)
     if center:
-        score = score - (c_head * logp_head).sum(-1) + alpha * entropy
+        score = score - jnp.where(c_head == 0, 0.0, c_head * logp_head).sum(-1) + alpha * entropy
     return -token_mean(A * score), metrics
 
 

@@ -593,6 +593,31 @@ def test_neg_inf_logit_off_the_head_and_sample_stays_finite(kw):
     )
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(tis_cap=2.0), dict(mis=(0.5, 5.0))])
+def test_tokens_both_p_and_q_rule_out_change_nothing_under_exact_centring(kw):
+    """Exact centring (the whole log q recorded) with two tokens at -inf in the trainer's logits
+    and in log q (a masked vocabulary): value and gradient are those of the vocabulary without
+    them, and their gradient is 0 (0 · log 0 counts as 0, not NaN)."""
+    rng = np.random.default_rng(16)
+    B, T, V = 3, 4, 10
+    z = jnp.asarray(rng.normal(size=(B, T, V)), jnp.float32).at[..., -2:].set(-jnp.inf)
+    logq = jax.nn.log_softmax(z + jnp.asarray(rng.normal(0, 0.3, (B, T, V)), jnp.float32))
+    y = jnp.asarray(rng.integers(0, V - 2, (B, T)), jnp.int32)
+    mask, A = jnp.ones((B, T), bool), jnp.asarray([1.0, -0.5, 0.25])
+    logq_y = jnp.take_along_axis(logq, y[..., None], -1)[..., 0]
+
+    def f(z, logq):
+        return sc.loss(z, y, mask, A, logq_y, None, logq, **kw)[0]
+
+    (v, g), (v_cut, g_cut) = (
+        jax.value_and_grad(f)(z, logq),
+        jax.value_and_grad(f)(z[..., :-2], logq[..., :-2]),
+    )
+    np.testing.assert_allclose(v, v_cut, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(g[..., :-2], g_cut, rtol=1e-6, atol=1e-7)
+    assert not np.asarray(g[..., -2:]).any()
+
+
 @pytest.mark.parametrize("kw", [dict(center=False), dict(mis=(0.5, 5.0))])
 def test_array_likes_give_the_same_result_as_arrays(kw):
     d = _batch(15)
