@@ -2979,12 +2979,12 @@ def test_a_diverging_run_stops_with_finite_weights_and_strict_json(tmp_path, cap
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_a_process_whose_peers_never_come_says_so_in_one_line_after_the_timeout(rank):
     """Process 1 with no coordinator listening, and process 0 whose peer never starts: each says
-    whom it waited for, and where, and stops after JAX_COORDINATOR_TIMEOUT (3 s, not the default
+    whom it waited for, and where, and stops after JAX_COORDINATOR_TIMEOUT (1 s, not the default
     120: the subprocess is given 60), with one line and no stack trace."""
     with socket.socket() as s:  # a loopback port that nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=rank, JAX_COORDINATOR_TIMEOUT="3")
+    env = dict(os.environ, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=rank, JAX_COORDINATOR_TIMEOUT="1")
     env["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{port}"
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
     start = time.monotonic()
@@ -2998,12 +2998,12 @@ def test_a_process_whose_peers_never_come_says_so_in_one_line_after_the_timeout(
     assert done.returncode != 0 and time.monotonic() - start < 60
     whom = "the other processes" if rank == "0" else "the coordinator, process 0,"
     assert done.stdout.startswith(
-        f"process {rank} of 2: waiting up to 3 s for {whom} at 127.0.0.1:{port}"
+        f"process {rank} of 2: waiting up to 1 s for {whom} at 127.0.0.1:{port}"
     )
     err = done.stderr.strip()
     assert "\n" not in err and "Traceback" not in err, err
     what = "was not joined by the other processes" if rank == "0" else "found no coordinator"
-    assert err.startswith(f"error: process {rank} of 2 {what} at 127.0.0.1:{port} within 3 s")
+    assert err.startswith(f"error: process {rank} of 2 {what} at 127.0.0.1:{port} within 1 s")
     assert "JAX_COORDINATOR_ADDRESS" in err
 
 
@@ -3247,17 +3247,17 @@ def test_report_prints_the_columns_and_writes_summary_and_figures(tmp_path, caps
 
 
 def test_short_sweep_has_every_level_and_seed_and_the_mismatch_sets_the_arms_apart(tmp_path):
-    """--sweep 0,0.01,0.1 on two seeds, shortened: every level and seed is there, the measured
+    """--sweep 0,0.1 on two seeds, shortened: every level and seed is there, the measured
     kl_q_p grows with the noise, the gain is centred minus uncentred of the same seed; after one
     step from the same rollouts, the two arms' drift differs less with a clean bf16 sampler than
     with 10% noise (the centring term scales with the mismatch). At lr 0.1 a step stays small (at
     0.4 both arms can overshoot to the same drift)."""
-    argv = "--task sequence --sweep 0,0.01,0.1 --seeds 0,1 --steps 1 --eval-every 1".split()
+    argv = "--task sequence --sweep 0,0.1 --seeds 0,1 --steps 1 --eval-every 1".split()
     argv += "--eval-n 8 --probe-n 8 --prompts 2 --group 4 --max-tokens 6 --lr 0.1".split()
     summary = train.main(argv + ["--out", str(tmp_path / "o")])
     saved = _strict_json((tmp_path / "o" / "summary.json").read_text())
     levels = saved["levels"]
-    assert list(levels) == ["bf16", "bf16_noise0.01", "bf16_noise0.1"]
+    assert list(levels) == ["bf16", "bf16_noise0.1"]
     names = {f"{arm}_seed{s}" for arm in ("uncentered", "centered") for s in (0, 1)}
     for level, r in levels.items():
         assert set(r["runs"]) == names
@@ -3272,7 +3272,7 @@ def test_short_sweep_has_every_level_and_seed_and_the_mismatch_sets_the_arms_apa
         assert r["gain"] == pytest.approx(100 * np.mean(gains), abs=1e-9)
         assert r["gain_lo"] <= r["gain"] <= r["gain_hi"] and r["verdict"]
     kl = [levels[k]["kl_q_p"] for k in levels]
-    assert kl[0] < kl[1] < kl[2], kl
+    assert kl[0] < kl[1], kl
     assert summary["levels"]["bf16"]["kl_q_p"] == kl[0]
 
     def apart(level):  # |drift of the uncentred arm - centred arm| after the first step
