@@ -1,5 +1,5 @@
-"""Set-up for test_score_centering.py: pytest imports this file first, so XLA_FLAGS is set before
-jax is imported and jax is configured before any test builds an array."""
+"""Set-up for every test (test_score_centering.py and tests/): pytest imports this file first,
+so XLA_FLAGS is set before jax is imported and jax is configured before any test builds an array."""
 
 import os
 import tempfile

@@ -37,7 +37,7 @@ def forward(
     tokens,
     pos,
     kv=None,
-    t0=0,
+    start=0,
     *,
     mm=jnp.einsum,
     dtype=jnp.float32,
@@ -46,21 +46,21 @@ def forward(
 ):
     """Logits float32 [B, T, V] (or [B, last, V] for the last `last` positions) and the updated kv.
     tokens [B, T]; pos [B, T] their positions, < 0 for padding. A query at position p sees keys at
-    0..p. With kv, this call's keys, values and positions are written at [t0, t0 + T) (K and V as
-    kv_quant(a) if given) and the queries attend over the whole cache. Each weight matmul is
-    mm(spec, activation, weight)."""
+    0..p. With kv, this call's keys, values and positions are written at cache slots [start,
+    start + T) (K and V as kv_quant(a) if given) and the queries attend over the whole cache. Each
+    weight matmul is mm(spec, activation, weight)."""
     eps, H = cfg["rms_norm_eps"], cfg["head_dim"]
     # rope_theta: at the top of config.json, or in rope_parameters (recent transformers)
     theta = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
     if kv is None:
         kpos = pos
     else:
-        kpos = jax.lax.dynamic_update_slice(kv["pos"], pos.astype(jnp.int32), (0, t0))
+        kpos = jax.lax.dynamic_update_slice(kv["pos"], pos.astype(jnp.int32), (0, start))
     mask = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= pos[:, :, None])  # [B, T, S]
     x = w["embed"][tokens].astype(dtype)  # [B, T, D]
 
-    def write(cache, a, i):  # a [B, T, K, H] into layer i of the cache [L, B, S, K, H], at t0
-        return jax.lax.dynamic_update_slice(cache, a[None].astype(cache.dtype), (i, 0, t0, 0, 0))
+    def write(cache, a, i):  # a [B, T, K, H] into layer i of the cache [L, B, S, K, H], at start
+        return jax.lax.dynamic_update_slice(cache, a[None].astype(cache.dtype), (i, 0, start, 0, 0))
 
     @jax.checkpoint  # recompute the layer in the backward pass instead of storing its activations
     def layer(carry, xs):

@@ -12,9 +12,8 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #
 # 1. The sampler q generates the rollouts, so REINFORCE estimates the policy gradient with one
 #    term per generated token: g = A · s_y, y ~ q.
-# 2. Zero-mean score lemma: Σ_v p(v) s_v = ∇_θ Σ_v p(v) = ∇_θ 1 = 0. On-policy (y ~ p), anything
-#    in A that does not depend on y (a baseline, a constant reward) adds nothing to the expected
-#    gradient.
+# 2. Zero-mean score lemma: Σ_v p(v) s_v = ∇_θ Σ_v p(v) = ∇_θ 1 = 0. On-policy (y ~ p), a part
+#    of A that does not depend on y (a baseline, a constant reward) adds no expected gradient.
 # 3. Off-policy the lemma fails: E_{y~q}[s_y] = Σ_v q(v) s_v =: s̄_q ≠ 0. In logit space
 #    s̄_q = q − p, which is −∇_z CE(q, p): the direction that distils p toward q.
 # 4. Split the expected update at one prefix: E_q[A s_y] = E_q[A | h] · s̄_q + Cov_q(A, s_y).
@@ -22,9 +21,9 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    follows the sign of the prefix's mean advantage (positive pulls p toward q, negative pushes
 #    it away). The second term is the signal.
 # 5. Drift accumulates. After each step the sampler is rebuilt from the new trainer weights and
-#    comes out biased the same way again (same quantiser, same noise), so the trainer chases a
-#    target that moves with it: a walk without bound. A frozen sampler is a fixed target: drift
-#    moves p toward (or, by step 4's sign, away from) the same q, not after a moving one.
+#    comes out biased the same way again (same quantiser, same noise): the trainer chases a target
+#    that moves with it, without bound. A frozen sampler is a fixed target that drift moves p
+#    toward (or, by step 4's sign, away from), and no further.
 # 6. A group-mean baseline (GRPO) makes the group's mean advantage zero, not E_q[A | h] at every
 #    prefix of every sequence, so drift survives it in sequences. (In a one-step bandit, whose
 #    group shares its one prefix, the group's advantages sum to 0 there: drift vanishes exactly.)
@@ -35,18 +34,18 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    ℓ_t = −sg(A) · [log p(y_t) − Σ_v sg(q(v)) · log p(v)].
 #    The batch loss is the token mean, the sum over trained tokens divided by their number, so
 #    every token weighs the same whatever its sequence's length.
-# 9. A token-level importance weight w_v = f(p(v) / q(v)) (detached) re-weights each score;
-#    centre the weighted score, with the effective mass m = q · w:
-#    ℓ_t = −sg(A) · [sg(w_y) log p(y) − Σ_v sg(m_v) log p(v)].
-#    Truncated IS (TIS), f(r) = min(r, C), gives m = min(p, C · q), computed in log space.
-#    Untruncated IS gives m = p and the term vanishes by step 2: full IS is drift-free already,
-#    at the price of its variance. Masked IS (MIS; miles' `mis`, verl's IcePop),
-#    f(r) = r · 1[lo ≤ r ≤ hi], gives m = p · 1[lo ≤ p/q ≤ hi]: a token whose ratio leaves the
-#    band drops out of both terms; the band [0, ∞) is untruncated IS.
+# 9. A token-level importance weight f(r_v) of the ratio r_v = p(v) / q(v) (detached) re-weights
+#    each score; centre the weighted score, with the effective mass m_v = q(v) f(r_v):
+#    ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_v sg(m_v) log p(v)].
+#    One f gives the weight, m and step 10's α; `loss` takes log f of log r. Truncated IS (TIS):
+#    f(r) = min(r, C), m = min(p, C q). Masked IS (MIS; miles' `mis`, verl's IcePop):
+#    f(r) = r · 1[lo ≤ r ≤ hi], m = p · 1[band]: a token outside the band drops out of both terms.
+#    Untruncated IS, f(r) = r (the band [0, ∞)), gives m = p and the term vanishes by step 2:
+#    full IS is drift-free already, at the price of its variance.
 # 10. Top-k: q over a 151k vocabulary at every token is too big to keep, so the sampler records
 #     its head: its top-k ids and their log q, normalised over the full vocabulary. Model the
-#     tail as proportional to the trainer (EPS a floor on the tail masses):
-#         q̂(v) = ρ p(v) off the head,   ρ = max(1 − Σ_head q, EPS) / max(1 − Σ_head p, EPS).
+#     tail as proportional to the trainer (FLOOR a floor on the tail masses):
+#         q̂(v) = ρ p(v) off the head,   ρ = max(1 − Σ_head q, FLOOR) / max(1 − Σ_head p, FLOOR).
 #     By step 2, Σ_tail p(v) s_v = −Σ_head p(v) s_v, so the correction touches only k logits:
 #         Σ_v q̂(v) s_v = Σ_{v∈head} (q(v) − ρ p(v)) s_v.
 #     With IS the tail's ratio p / q̂ = 1/ρ is constant, so the tail's effective mass is α p, and
@@ -61,14 +60,24 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #                              = Σ_{v∈head} c_v log p(v) − α · entropy(p),
 #     entropy(p) = −Σ_v p(v) log p(v). The last term's gradient, α Σ_v p(v) s_v, is zero by step
 #     2: it enters detached, keeps the value exact and adds no gradient. `loss` ends on
-#         ℓ_t = −sg(A) · [sg(w_y) log p(y) − Σ_{v∈head} c_v log p(v) + sg(α · entropy(p))],
-#     whose gradient in logit space is −A · [w_y (e_y − p) − Σ_head c_v (e_v − p)]; without IS
+#         ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_{v∈head} c_v log p(v) + sg(α · entropy(p))],
+#     whose gradient in logit space is −A · [f(r_y) (e_y − p) − Σ_head c_v (e_v − p)]; without IS
 #     and with the whole vocabulary as head, −A · (e_y − q).
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-EPS = 1e-6  # floor of the tail masses in the top-k model (step 10)
+FLOOR = 1e-6  # of the tail masses in the top-k model (step 10)
+
+
+def truncated_is(log_r, cap):  # TIS, step 9's f(r) = min(r, C), as log f of log r
+    return jnp.minimum(log_r, jnp.log(cap))
+
+
+def masked_is(log_r, lo, hi):  # MIS: f(r) = r inside the band [lo, hi], 0 outside
+    return jnp.where((log_r >= jnp.log(lo)) & (log_r <= jnp.log(hi)), log_r, -jnp.inf)
 
 
 def loss(
@@ -77,8 +86,8 @@ def loss(
     mask,
     advantages,
     sampler_logprobs,
-    head_ids=None,
     head_logprobs=None,
+    head_ids=None,
     *,
     center=True,
     tis_cap=None,
@@ -89,8 +98,8 @@ def loss(
     logits [B, T, V]: the trainer's logits at the positions that predicted `tokens` [B, T];
     mask [B, T] (True = trained); advantages [B] or [B, T] (a constant);
     sampler_logprobs [B, T] = log q(tokens);
-    head_ids, head_logprobs [B, T, k]: the sampler's top-k ids and their log q (normalised over the
-    full vocabulary), or head_ids=None and head_logprobs [B, T, V], the full log q (exact centring);
+    head_logprobs, head_ids [B, T, k]: the sampler's top-k log q (normalised over the full
+    vocabulary) and ids, as jax.lax.top_k returns them; or the full log q [B, T, V] alone (exact);
     tis_cap C: weight min(p/q, C); mis (lo, hi): weight p/q inside the band, 0 outside (not both).
     Returns (loss, metrics). Ids outside [0, V) raise ValueError on concrete inputs, NaN under jit.
     """
@@ -103,13 +112,13 @@ def loss(
     _check_options(center, tis_cap, mis, head_logprobs)
     sg = jax.lax.stop_gradient
     mask = mask.astype(bool)
-    n = jnp.maximum(mask.sum(), 1).astype(jnp.float32)  # trained tokens
+    n_tokens = jnp.maximum(mask.sum(), 1).astype(jnp.float32)  # trained tokens
 
     def trained(x):  # float inputs at masked tokens may be garbage (NaN, inf): zeroed first
         return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 2)), x, 0)
 
     def token_mean(x):  # step 8
-        return jnp.where(mask, x, 0.0).sum() / n
+        return jnp.where(mask, x, 0.0).sum() / n_tokens
 
     # log-probs and advantages
     logp = jax.nn.log_softmax(trained(logits.astype(jnp.float32)), axis=-1)  # [B, T, V]
@@ -128,18 +137,15 @@ def loss(
         entropy=token_mean(entropy),
     )
 
-    # importance weight (step 9)
-    def in_band(log_r):  # masked IS: lo ≤ r ≤ hi
-        return (log_r >= jnp.log(mis[0])) & (log_r <= jnp.log(mis[1]))
-
-    w_y = 1.0
+    # the importance weight f(r) of r = p/q, as log f of log r (step 9); none: f = 1
+    log_f = jnp.zeros_like
     if tis_cap is not None:
-        w_y = jnp.exp(jnp.minimum(log_ratio, jnp.log(tis_cap)))
-        metrics["tis_capped"] = token_mean((log_ratio >= jnp.log(tis_cap)).astype(jnp.float32))
+        log_f = partial(truncated_is, cap=tis_cap)
+        metrics["tis_capped"] = token_mean(log_f(log_ratio) < log_ratio)
     if mis is not None:
-        w_y = jnp.where(in_band(log_ratio), jnp.exp(log_ratio), 0.0)
-        metrics["mis_masked"] = token_mean((~in_band(log_ratio)).astype(jnp.float32))
-    score = w_y * logp_y  # sg(w_y) log p(y)
+        log_f = partial(masked_is, lo=mis[0], hi=mis[1])
+        metrics["mis_masked"] = token_mean(log_f(log_ratio) < log_ratio)
+    score = jnp.exp(log_f(log_ratio)) * logp_y  # sg(f(r_y)) log p(y)
     if head_logprobs is None:  # no sampler distribution: nothing to centre
         return -token_mean(A * score), metrics
 
@@ -148,17 +154,14 @@ def loss(
     logp_head = logp if head_ids is None else _gather(logp, head_ids)  # [B, T, k]
     sg_logp_head = sg(logp_head)
     q_mass, p_mass = jnp.exp(logq_head).sum(-1), jnp.exp(sg_logp_head).sum(-1)  # [B, T]
-    rho = jnp.maximum(1 - q_mass, EPS) / jnp.maximum(1 - p_mass, EPS)  # tail: q̂ = ρ p
+    rho = jnp.maximum(1 - q_mass, FLOOR) / jnp.maximum(1 - p_mass, FLOOR)  # tail: q̂ = ρ p
 
-    # head coefficients
-    if tis_cap is not None:  # m = min(p, Cq), α = min(1, Cρ)
-        m_head = jnp.exp(jnp.minimum(sg_logp_head, jnp.log(tis_cap) + logq_head))
-        alpha = jnp.minimum(1.0, tis_cap * rho)
-    elif mis is not None:  # m = p 1[band], α = 1[band](1/ρ)
-        m_head = jnp.where(in_band(sg_logp_head - logq_head), jnp.exp(sg_logp_head), 0.0)
-        alpha = in_band(-jnp.log(rho)).astype(jnp.float32)
-    else:  # m = q, α = ρ
-        m_head, alpha = jnp.exp(logq_head), rho
+    # head coefficients: m = q f(p/q) on the head, α = ρ f(1/ρ) for the tail
+    log_r_head = jnp.where(sg_logp_head == logq_head, 0.0, sg_logp_head - logq_head)  # 0/0: 1
+    log_f_head = log_f(log_r_head)
+    # m = q f(r), which is p where f(r) = r: written so, it stays exact at q = 0 (r = ∞)
+    m_head = jnp.exp(jnp.where(log_f_head == log_r_head, sg_logp_head, logq_head + log_f_head))
+    alpha = jnp.exp(jnp.log(rho) + log_f(-jnp.log(rho)))  # [B, T]
     c_head = m_head - alpha[..., None] * jnp.exp(sg_logp_head)  # [B, T, k]
     metrics["head_mass_q"] = token_mean(q_mass)
     metrics["head_mass_p"] = token_mean(p_mass)
@@ -198,7 +201,7 @@ def _check_arrays(logits, tokens, mask, advantages, sampler_logprobs, head_ids, 
 
 
 def _check_head(head_ids, head_logprobs, B, T, V):
-    """Raise ValueError unless the head is [B, T, k] ids and log q, or the full log q alone."""
+    """Raise ValueError unless the head is [B, T, k] log q and ids, or the full log q alone."""
     if head_ids is None and head_logprobs is not None and head_logprobs.shape != (B, T, V):
         raise ValueError(
             f"head_logprobs without head_ids must be the full sampler log-softmax [B, T, V] = "
@@ -218,7 +221,10 @@ def _check_head(head_ids, head_logprobs, B, T, V):
 def _check_ids(name, ids, shape):
     """Raise ValueError unless ids are integers, and (when their values are known) in [0, V)."""
     if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+        swap = " (swapped? the head goes as jax.lax.top_k gives it: log q, then ids)" * (
+            name != "tokens"
+        )
+        raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}{swap}")
     if isinstance(ids, jax.core.Tracer) or not ids.size:  # values unknown under jit: _gather
         return
     lo, hi = int(np.asarray(ids).min()), int(np.asarray(ids).max())
@@ -230,21 +236,15 @@ def _check_options(center, tis_cap, mis, head_logprobs):
     """Raise ValueError on options that contradict each other or the inputs."""
     if center and head_logprobs is None:
         raise ValueError(
-            "center=True needs the sampler's distribution: pass head_ids and head_logprobs "
+            "center=True needs the sampler's distribution: pass head_logprobs and head_ids "
             "(top-k) or head_logprobs alone (full [B, T, V] log-softmax, exact centring)"
         )
     if tis_cap is not None and not tis_cap > 0:
-        raise ValueError(
-            f"tis_cap must be a positive number (the truncation C of w = min(p/q, C)), "
-            f"got {tis_cap}; use None for no importance weight"
-        )
+        raise ValueError(f"tis_cap must be a positive C (f(r) = min(r, C)), got {tis_cap}; or None")
     if tis_cap is not None and mis is not None:
-        raise ValueError(
-            f"tis_cap={tis_cap} and mis={mis} are exclusive (truncated or masked IS): pass one"
-        )
+        raise ValueError(f"tis_cap={tis_cap} and mis={mis}: truncated or masked IS, pass one")
     is_band = isinstance(mis, (tuple, list)) and len(mis) == 2 and 0 <= mis[0] < mis[1]
     if mis is not None and not is_band:
         raise ValueError(
-            f"mis must be a band (lo, hi) of ratios p/q with 0 ≤ lo < hi (hi may be inf), "
-            f"got {mis}; use None for no importance weight"
+            f"mis must be a band (lo, hi) of p/q, 0 ≤ lo < hi ≤ inf, got {mis}; or None"
         )

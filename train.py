@@ -14,15 +14,14 @@ trained with `score_centering.loss`. How it differs from textbook GRPO, and why:
 - plain SGD at a constant learning rate on float32 master weights (the paper's; --optimizer adam).
 
 In order: the sampler and its mismatch, the train step, the GRPO loop, one run, main (the tasks:
-tasks.py; flags, logs, resumable state: harness.py). Shapes: P prompts a step, G rollouts a prompt,
-B = P·G rows, T positions, T0 prompt length, M completion length, V vocabulary, k the top-k head
-size, D model width, L layers, K key/value heads, H head dimension.
+lab/tasks.py; flags, logs, resumable state: lab/harness.py). Shapes: P prompts a step, G rollouts
+a prompt, B = P·G rows, T positions, T0 prompt length, M completion length, V vocabulary, k the
+top-k head size, D model width, L layers, K key/value heads, H head dimension.
 """
 
-import functools
 import math
 from collections import namedtuple
-from functools import partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -30,21 +29,15 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import compare
-import harness
-import hf_checkpoint
-import plan
 import qwen3
-import rollouts
 import score_centering as sc
-import tasks
-from devices import host, shardings
+from lab import compare, harness, hf_checkpoint, plan, rollouts, tasks
+from lab.devices import host, shardings
 
 TEMPERATURE = 1.0  # the sampler's; the recorded log q is the post-temperature distribution
 SAMPLER_DTYPE = jnp.bfloat16  # the sampler's weights and activations (W8A8: the stored values)
-# each matmul weight's contracted (input) axes as its array indexes them: [L, inputs..., outputs...]
-# in a layer, [V, D] for the embedding and head. One quantisation scale per output channel; lora_a
-# spans these axes
+# each matmul weight's contracted (input) axes: [L, inputs..., outputs...] in a layer, [V, D] for
+# the embedding and head. One quantisation scale per output channel; lora_a spans these axes
 INPUT_AXES = dict(q=(1,), k=(1,), v=(1,), o=(1, 2), gate=(1,), up=(1,), down=(1,), embed=(1,))
 INPUT_AXES["lm_head"] = (1,)  # untied: the output head, [V, D] like the embedding
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # LoRA's: every attention and MLP matmul
@@ -53,38 +46,43 @@ PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # LoRA's: every attent
 # The sampler: a bf16 copy of the weights, its own numerics; KV-cache decoding that records q
 
 
-def fake_quant(x, axes, kind):  # symmetric, one scale per slice reduced over `axes`: int8 or fp8
-    x32, qmax = x.astype(jnp.float32), 127.0 if kind == "int8" else 448.0
+QMAX = dict(int8=127.0, int4=7.0, fp8=448.0)  # the largest magnitude each format holds
+
+
+def fake_quant(x, axes, kind):  # symmetric, one scale per slice reduced over `axes`
+    x32, qmax = x.astype(jnp.float32), QMAX[kind]
     scale = jnp.maximum(jnp.abs(x32).max(axes, keepdims=True), 1e-12) / qmax
-    y = x32 / scale
-    y = y.astype(jnp.float8_e4m3fn) if kind == "fp8" else jnp.clip(jnp.round(y), -qmax, qmax)
-    return (y.astype(jnp.float32) * scale).astype(x.dtype)
+    levels = x32 / scale  # in the format's range, then rounded to a value it holds
+    levels = levels.astype(jnp.float8_e4m3fn) if kind == "fp8" else jnp.round(levels)
+    return (levels.astype(jnp.float32) * scale).astype(x.dtype)
 
 
 def kv_quant(kind):
-    """Keys or values [B, T, K, H] as a quantised cache holds them (int8: per token and head; fp8:
-    e4m3 at unit scale, saturating); None: a plain cache."""
+    """Keys or values [B, T, K, H] as a quantised cache holds them (int8, int4: a scale per token
+    and head; fp8: e4m3 at unit scale, saturating); None: a plain cache."""
 
     def fp8(a):
         return jnp.clip(a.astype(jnp.float32), -448, 448).astype(jnp.float8_e4m3fn).astype(a.dtype)
 
-    return dict(int8=partial(fake_quant, axes=(3,), kind="int8"), fp8=fp8).get(kind)
+    per_head = {kind: partial(fake_quant, axes=(3,), kind=kind) for kind in ("int8", "int4")}
+    return dict(per_head, fp8=fp8).get(kind)
 
 
 @partial(jax.jit, static_argnums=(1, 2))
 def sampler_weights(w, kind, sigma=0.0, key=None):
-    """SAMPLER_DTYPE copy of w ⊙ (1 + σε), ε ~ N(0, 1) from `key`: the same at each refresh, a
-    persistent bias; kind int8 or fp8 fake-quantises every matmul weight per output channel."""
+    """SAMPLER_DTYPE copy of w ⊙ (1 + σε), ε a standard normal draw from `key` (a key a weight):
+    the same at each refresh, a persistent bias; kind int8 or fp8 fake-quantises every matmul
+    weight per output channel, the embedding and the output head included (W8A8)."""
     if sigma:
         leaves, tree = jax.tree.flatten(w)
         keys = tree.unflatten(list(jax.random.split(key, len(leaves))))  # a key a weight
-        w = jax.tree.map(lambda x, k: x * (1 + sigma * jax.random.normal(k, x.shape)), w, keys)
+        w = jax.tree.map(lambda x, key: x * (1 + sigma * jax.random.normal(key, x.shape)), w, keys)
     if kind != "bf16":
 
         def quant(d):
             return {
-                k: fake_quant(x, INPUT_AXES[k], kind) if k in INPUT_AXES else x
-                for k, x in d.items()
+                name: fake_quant(x, INPUT_AXES[name], kind) if name in INPUT_AXES else x
+                for name, x in d.items()
             }
 
         w = dict(quant(w), layers=quant(w["layers"]))
@@ -92,12 +90,16 @@ def sampler_weights(w, kind, sigma=0.0, key=None):
 
 
 def quant_mm(kind):  # W8A8: the activation is fake-quantised per token (over the contracted axes)
-    def mm(spec, x, w):
+    def mm(spec, x, w):  # spec "btd,dnh->btnh": x's letters, then the output's
         x_axes, out = spec.split(",")[0], spec.split("->")[1]
-        per_token = tuple(i for i, c in enumerate(x_axes) if c not in out)
+        per_token = tuple(i for i, c in enumerate(x_axes) if c not in out)  # contracted: d
         return jnp.einsum(spec, fake_quant(x, per_token, kind), w)
 
     return jnp.einsum if kind == "bf16" else mm
+
+
+# the decode loop's state: step i, the logits of its token, KV cache, rows done, record, key
+Decoding = namedtuple("Decoding", "i logits cache done out key")
 
 
 def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False):
@@ -117,8 +119,8 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False):
         logits, cache = fwd(w, prompt, pos, cache, 0, last=1)
 
         # decode: a token a step, drawn from q and recorded with log q and the head of q
-        def body(carry):
-            i, logits, cache, done, out, key = carry
+        def body(state):
+            i, logits, cache, done, out, key = state  # a Decoding
             key, k_sample = jax.random.split(key)
             logq = jax.nn.log_softmax(logits[:, -1] / TEMPERATURE)  # [B, V]
             y = jnp.argmax(logq, -1) if greedy else rollouts.categorical(k_sample, logq)  # [B]
@@ -128,10 +130,10 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False):
                 rec["head_logq"], rec["head_ids"] = jax.lax.top_k(logq, topk)
             out = {name: x.at[i].set(rec[name]) for name, x in out.items()}
             logits, cache = fwd(w, y[:, None].astype(jnp.int32), pos[:, -1:] + 1 + i, cache, T0 + i)
-            return i + 1, logits, cache, done | jnp.isin(y, eos), out, key
+            return Decoding(i + 1, logits, cache, done | jnp.isin(y, eos), out, key)
 
-        def running(carry):  # until M tokens, or every row has ended its turn
-            return (carry[0] < M) & ~carry[3].all()
+        def running(state):  # until M tokens, or every row has ended its turn
+            return (state.i < M) & ~state.done.all()
 
         out = dict(  # [M, B, ...]: each step writes one contiguous slab
             tokens=jnp.zeros((M, B), jnp.int32),
@@ -141,8 +143,8 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False):
         )
         if topk:
             out["head_ids"] = jnp.zeros((M, B, k), jnp.int32)
-        start = (0, logits, cache, jnp.zeros(B, bool), out, key)
-        out = jax.lax.while_loop(running, body, start)[4]
+        start = Decoding(0, logits, cache, jnp.zeros(B, bool), out, key)
+        out = jax.lax.while_loop(running, body, start).out
         return {name: x.swapaxes(0, 1) for name, x in out.items()}  # [B, M, ...]
 
     return jax.jit(sample)
@@ -162,18 +164,21 @@ def completion_logits(cfg, w, prompt, pos, tokens):
     return logits[:, :-1] / TEMPERATURE  # the logits at position t predict token t + 1
 
 
-def advantage(r, group, baseline):  # r [..., B] -> [..., B]: minus its group's mean, or raw
+def advantage(rewards, group, baseline):  # [..., B] -> [..., B]: minus its group's mean, or raw
     if baseline == "none":
-        return r
-    return r - r.reshape(*r.shape[:-1], -1, group).mean(-1).repeat(group, -1)
+        return rewards
+    means = rewards.reshape(*rewards.shape[:-1], -1, group).mean(-1)  # [..., P]
+    return rewards - means.repeat(group, -1)
 
 
-def lora_init(w, rank, key):  # lora_a ~ N(0, 1/fan-in), lora_b = 0: the policy starts at the base
+def lora_init(
+    w, rank, key
+):  # lora_a normal of variance 1/fan-in, lora_b = 0: the policy starts at the base
     adapters = {}
-    for name, k in zip(PROJECTIONS, jax.random.split(key, len(PROJECTIONS)), strict=True):
+    for name, key_a in zip(PROJECTIONS, jax.random.split(key, len(PROJECTIONS)), strict=True):
         x = w["layers"][name]  # [L, inputs..., outputs...]
         fan_in = math.prod(x.shape[1 : 1 + len(INPUT_AXES[name])])
-        lora_a = jax.random.normal(k, (x.shape[0], fan_in, rank)) * fan_in**-0.5
+        lora_a = jax.random.normal(key_a, (x.shape[0], fan_in, rank)) * fan_in**-0.5
         lora_b = jnp.zeros((x.shape[0], rank, x[0].size // fan_in))
         adapters[name] = dict(lora_a=lora_a, lora_b=lora_b)
     return adapters
@@ -184,9 +189,9 @@ def merge(params, base, scale=None):
     if base is None:
         return params
     layers = dict(base["layers"])
-    for k, ab in params.items():
+    for name, ab in params.items():
         delta = scale * jnp.einsum("lir,lro->lio", ab["lora_a"], ab["lora_b"])
-        layers[k] = layers[k] + delta.reshape(layers[k].shape)
+        layers[name] = layers[name] + delta.reshape(layers[name].shape)
     return dict(base, layers=layers)
 
 
@@ -200,13 +205,14 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, tis_cap=None, mis=None,
     def token_sum_loss(params, base, b):
         w = merge(params, base, lora_scale)
         logits = completion_logits(cfg, w, b["prompt"], b["pos"], b["tokens"])
-        head = b.get("head_ids"), b["head_logq"]  # the sampler's top-k ids (topk 0: none) and log q
+        head = b["head_logq"], b.get("head_ids")  # the sampler's top-k log q and ids (topk 0: none)
         loss, metrics = sc.loss(
             logits, b["tokens"], b["mask"], b["adv"], b["logq"], *head, **options
         )
         return loss * b["mask"].sum(), (metrics, b["mask"].sum())  # token sums: / n_tokens below
 
-    # [B, ...] -> [B / mb, mb, ...]: mb = micro_batch rows a pass, row i in pass i % (B / mb)
+    # [B, ...] -> [B / mb, mb, ...], mb = micro_batch rows a pass: row i goes to pass i % (B / mb),
+    # strided so that each device takes its share of every pass from the rows it holds: none moves
     def micro_batches(x):
         x = x.reshape(micro_batch, -1, *x.shape[1:]).swapaxes(0, 1)
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, "data")))
@@ -218,20 +224,20 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, tis_cap=None, mis=None,
 
         def accumulate(grads, b):
             loss_grad = jax.value_and_grad(token_sum_loss, has_aux=True)
-            (loss, (metrics, n)), g = loss_grad(params, base, b)
-            return keep(jax.tree.map(jnp.add, grads, g)), (loss, metrics, n)
+            (loss, (metrics, tokens)), g = loss_grad(params, base, b)
+            return keep(jax.tree.map(jnp.add, grads, g)), (loss, metrics, tokens)
 
         # gradients: token sums over the micro-batches, divided by the batch's trained tokens
         zeros = keep(jax.tree.map(jnp.zeros_like, params))
         parts = jax.tree.map(micro_batches, batch)
-        grads, (loss, metrics, n) = jax.lax.scan(accumulate, zeros, parts)
-        n_tokens = jnp.maximum(n.sum(), 1)
+        grads, (loss, metrics, tokens) = jax.lax.scan(accumulate, zeros, parts)  # tokens a pass
+        n_tokens = jnp.maximum(tokens.sum(), 1)
         grads = jax.tree.map(lambda g: g / n_tokens, grads)
 
         # the optimizer's update, and the metrics' token means over the batch
         updates, new_state = opt.update(grads, opt_state, params)
         new = optax.apply_updates(params, updates)
-        metrics = {k: (v * n).sum() / n_tokens for k, v in metrics.items()}
+        metrics = {name: (x * tokens).sum() / n_tokens for name, x in metrics.items()}
         metrics |= dict(loss=loss.sum() / n_tokens, grad_norm=optax.tree.norm(grads))
 
         # a loss, gradient or weight that is not finite: the update is skipped, the run told
@@ -289,14 +295,14 @@ def grpo(
         rollout, golds = sample(w_sampler, step)
 
         # score, and advantages: each reward minus its group's mean (--baseline none: the reward)
-        r = np.asarray(reward(rollout["tokens"], rollout["mask"], golds))
-        rollout["adv"] = advantage(r.astype(np.float32), group, baseline)
+        rewards = np.asarray(reward(rollout["tokens"], rollout["mask"], golds))
+        rollout["adv"] = advantage(rewards.astype(np.float32), group, baseline)
 
         # step: score_centering.loss, its token mean over the batch, one optimizer update
         params, opt_state, metrics = train_step(params, opt_state, rollout)
 
         # measure; an update that is not finite was skipped, and the run stops at this step
-        row |= metrics | dict(reward=r.mean(), length=rollout["mask"].sum(-1).mean())
+        row |= metrics | dict(reward=rewards.mean(), length=rollout["mask"].sum(-1).mean())
         finite = bool(metrics["finite"])
         if not finite and "drift" not in row:
             row |= evaluate(params)
@@ -327,9 +333,9 @@ def build(args, cfg, eos):
     lora_scale = args.lora and args.lora_alpha / args.lora
     loss_flags = dict(tis_cap=args.tis_cap, mis=args.mis, lora_scale=lora_scale)
 
-    @functools.cache
-    def samplers(kind):
-        numerics = dict(mm=quant_mm(kind), kv_quant=kv_quant(args.kv_quant))
+    @cache
+    def samplers(kind, kv=None):  # W8A8 kind, the KV cache's kind
+        numerics = dict(mm=quant_mm(kind), kv_quant=kv_quant(kv))
         return make_sampler(cfg, args.max_tokens, args.topk, eos, numerics)
 
     steps = [
@@ -356,7 +362,7 @@ def run(args, task, fn, center, seed, out, prefix=""):
     key, noise_key, probe_key, lora_key = jax.random.split(jax.random.PRNGKey(seed), 4)
     data = NamedSharding(fn.mesh, PartitionSpec("data"))  # rows split over the devices
     replicated = NamedSharding(fn.mesh, PartitionSpec())
-    n = args.prompts * args.group  # B = P·G rows: a sampler call
+    rows = args.prompts * args.group  # B = P·G: a sampler call
 
     # the policy: FSDP-split float32 weights (copied: the step donates them), or LoRA adapters
     w = jax.tree.map(jnp.copy, jax.device_put(task.weights, shardings(task.weights, fn.mesh)))
@@ -372,12 +378,12 @@ def run(args, task, fn, center, seed, out, prefix=""):
         return jax.device_put(sampler_weights(policy(params), kind, sigma, noise_key), replicated)
 
     # the drift meter, on completions drawn once from p_0's clean bf16 copy; the held-out score
-    probe = rollouts.generate(fn.prober, copy(params), task.probe, task.pad, probe_key, data, n)
+    probe = rollouts.generate(fn.prober, copy(params), task.probe, task.pad, probe_key, data, rows)
     drift = rollouts.drift_meter(fn.logp, probe, policy(params), args.micro_batch, data)
     test, golds = [p for p, _ in task.test], [gold for _, gold in task.test]
 
     def evaluate(params):
-        greedy = rollouts.generate(fn.greedy, copy(params), test, task.pad, key, data, n)
+        greedy = rollouts.generate(fn.greedy, copy(params), test, task.pad, key, data, rows)
         acc = float(np.mean(task.reward(greedy["tokens"], greedy["mask"], golds)))
         return dict(drift=drift(policy(params)), acc=acc)
 
@@ -386,10 +392,10 @@ def run(args, task, fn, center, seed, out, prefix=""):
 
     def sample(w_sampler, step):
         first = step * args.prompts
-        problems = [task.train[order[(first + i // args.group) % len(order)]] for i in range(n)]
+        problems = [task.train[order[(first + i // args.group) % len(order)]] for i in range(rows)]
         prompts, golds = [p for p, _ in problems], [gold for _, gold in problems]
-        sampler, step_key = fn.samplers(args.sampler), jax.random.fold_in(key, step)
-        return rollouts.generate(sampler, w_sampler, prompts, task.pad, step_key, data, n), golds
+        sampler, step_key = fn.samplers(args.sampler, args.kv_quant), jax.random.fold_in(key, step)
+        return rollouts.generate(sampler, w_sampler, prompts, task.pad, step_key, data, rows), golds
 
     def train_step(params, opt_state, batch):
         return fn.steps[center](params, opt_state, jax.device_put(batch, data), base)

@@ -1,8 +1,8 @@
 """How fast train.py samples and trains here, as fractions of the devices' limits (docs/speed.md).
 
-    python bench.py           # Qwen3-0.6B's shape, random weights: 28 min on 2 busy CPU cores
-    python bench.py --tiny    # the sequence task's model: 3 min, mostly compiling
-    python bench.py --batch 1,16,64 --prompt 256 --new 128 --rows 16 --out bench.json   # a GPU
+    python -m lab.bench           # Qwen3-0.6B's shape, random weights: 28 min on 2 busy CPU cores
+    python -m lab.bench --tiny    # the sequence task's model: 3 min, mostly compiling
+    python -m lab.bench --batch 1,16,64 --prompt 256 --new 128 --rows 16 --out bench.json   # a GPU
 
 The programs a table compares run in one process, in --repeats rounds of a call each, back to back:
 a figure is the median of its own calls, an x_ column the median of the rounds' ratios, compile_s
@@ -26,10 +26,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import hf_checkpoint
 import qwen3
-import tasks
-import train
+from lab import hf_checkpoint, tasks
+from lab.devices import shardings
 
 QWEN3_06B = dict(  # Qwen3-0.6B's config
     model_type="qwen3",
@@ -104,16 +103,16 @@ def peaks(repeats):  # (FLOP/s, bytes/s, where from): the table's, or measured
     return flops, 2 * x[0].nbytes / statistics.median(times["copy"]), "measured"
 
 
-def random_weights(cfg, key):  # float32: N(0, 1/fan-in) matrices, unit norm weights
+def random_weights(cfg, key, input_axes):  # float32: N(0, 1/fan-in) matrices, unit norm weights
     top, layers = qwen3.layout(cfg)
     L = cfg["num_hidden_layers"]
     shapes = {name: s for name, (_, _, s) in top.items()}
     shapes |= {name: (L, *s) for name, (_, _, s) in layers.items()}  # a layer's: L first
     w = {}
     for i, (name, shape) in enumerate(shapes.items()):
-        fan_in = math.prod(shape[a] for a in train.INPUT_AXES.get(name, ()))
+        fan_in = math.prod(shape[a] for a in input_axes.get(name, ()))
         normal = jax.random.normal(jax.random.fold_in(key, i), shape) * fan_in**-0.5
-        w[name] = normal if name in train.INPUT_AXES else jnp.ones(shape)  # a norm's: ones
+        w[name] = normal if name in input_axes else jnp.ones(shape)  # a norm's: ones
     return {name: w[name] for name in top} | dict(layers={name: w[name] for name in layers})
 
 
@@ -153,7 +152,7 @@ def sampler_rows(B, T0, M, first, times, read, bandwidth, peak):  # seconds of [
     return rows
 
 
-def time_sampler(cfg, sampler_w, prompt, pos, args, bandwidth):  # sampler_w {kind: weights}
+def time_sampler(train, cfg, sampler_w, prompt, pos, args, bandwidth):  # sampler_w {kind: weights}
     B, T0 = prompt.shape
     M = args.new
     calls = {}
@@ -169,7 +168,7 @@ def time_sampler(cfg, sampler_w, prompt, pos, args, bandwidth):  # sampler_w {ki
 def train_flops(w, B, T0, M):  # 3 x the forward: matmuls, the head at M + 1 positions, attention
     T = T0 + M
     L, _, N, H = w["layers"]["q"].shape
-    matmul = sum(x.size for name, x in w["layers"].items() if name in train.INPUT_AXES)
+    matmul = sum(x.size for x in w["layers"].values() if x.ndim > 2)  # [L, inputs, outputs]
     return 3 * B * (2 * T * matmul + 2 * (M + 1) * w["embed"].size + 4 * L * T * T * N * H)
 
 
@@ -198,14 +197,14 @@ def one_step(step, carry, batch):  # the updated weights and state go into the n
     return carry
 
 
-def time_train(cfg, w, batch, k, mesh, args, peak_flops):
+def time_train(train, cfg, w, batch, k, mesh, args, peak_flops):
     B, M = batch["tokens"].shape
     T0 = batch["prompt"].shape[1]
     opt = optax.sgd(1e-4)
     calls = {}
     for center in (False, True):
         step = train.make_train_step(cfg, opt, B, mesh, center)
-        params = jax.tree.map(jnp.copy, jax.device_put(w, train.shardings(w, mesh)))  # donated
+        params = jax.tree.map(jnp.copy, jax.device_put(w, shardings(w, mesh)))  # donated
         calls[center] = partial(one_step, step, [params, opt.init(params)], batch)
     first, times = timed_rounds(calls, args.repeats)
     flops = train_flops(w, B, T0, M)
@@ -253,7 +252,8 @@ def parse_args(argv=None):  # the flags and the model's config; a mistake: one l
     return args, dict(cfg)
 
 
-def main(argv=None):
+def main(argv, train):
+    """train: the module whose programs are measured (train.py, passed in, not imported)."""
     args, cfg = parse_args(argv)
     key = jax.random.PRNGKey(0)
     device = f"{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}"
@@ -262,7 +262,7 @@ def main(argv=None):
     print(f"{source}: {peak_flops / 1e12:.3g} TFLOP/s, {bandwidth / 1e9:.3g} GB/s", flush=True)
 
     # weights, prompts
-    w = random_weights(cfg, key)
+    w = random_weights(cfg, key, train.INPUT_AXES)
     sampler_w = {kind: train.sampler_weights(w, kind) for kind in ("bf16", "int8")}
     n = max(*args.batch, args.rows)  # random prompts [n, T0], positions from 0
     prompt = jax.random.randint(key, (n, args.prompt), 0, cfg["vocab_size"])
@@ -271,7 +271,7 @@ def main(argv=None):
     # the sampler at each B
     samples = []
     for B in args.batch:
-        samples += time_sampler(cfg, sampler_w, prompt[:B], pos[:B], args, bandwidth)
+        samples += time_sampler(train, cfg, sampler_w, prompt[:B], pos[:B], args, bandwidth)
     show(samples)
 
     # the train steps at each k, on the int8 sampler's rollouts (its weights, W8A8 matmuls)
@@ -284,7 +284,7 @@ def main(argv=None):
         sample = train.make_sampler(cfg, args.new, k, (-1,), dict(mm=train.quant_mm("int8")))
         batch = dict(sample(sampler_w["int8"], prompt, pos, key), prompt=prompt, pos=pos, adv=adv)
         batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))  # rows split
-        steps += time_train(cfg, w, batch, k, mesh, args, peak_flops)
+        steps += time_train(train, cfg, w, batch, k, mesh, args, peak_flops)
     show(steps)
 
     # the JSON record
@@ -294,5 +294,7 @@ def main(argv=None):
             json.dump(report | dict(model=cfg, args=vars(args), sampler=samples, train=steps), f)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python -m lab.bench, from the project's folder
+    import train  # the tutorial, whose programs are measured
+
+    main(None, train)

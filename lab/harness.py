@@ -15,21 +15,17 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-import devices
-import hf_checkpoint
-import tasks
+from lab import devices, hf_checkpoint, tasks
 
 # -------------------------------------------------------------------------------------------------
 # flags: every mistake is named in one line before any download, compile or training
 
-NOT_USED = {  # the flags a task does not use: refused when given
-    "gsm8k": {},
-    "sequence": {"model": "it builds its model from --seed", "data_dir": "it has no data files"},
-}
+SEEDED = {"model": "it builds its model from --seed", "data_dir": "it has no data files"}
+NOT_USED = dict(gsm8k={}, sequence=SEEDED, chain=SEEDED)  # a task's unused flags: refused
 QWEN3_06B = "Qwen/Qwen3-0.6B"
 OPTIMIZERS = ["sgd", "adam", "adamw"]  # optax's, at a constant learning rate
 W8 = ["int8", "fp8"]  # the 8-bit kinds of numerics a sampler (or its KV cache) may use
-SWEEP = "0,0.01,0.03,0.1,int8"  # --sweep's levels: a bf16 sampler with fixed weight noise σ; W8A8
+KV = [*W8, "int4"]  # the kinds a quantised KV cache may hold
 
 
 def flag(key):  # "max_tokens" -> "--max-tokens"
@@ -40,14 +36,19 @@ def csv(kind):  # "0.5,5" -> (0.5, 5.0)
     return lambda s: tuple(map(kind, s.split(",")))
 
 
-def levels(text):  # "0,0.01,int8" -> [("bf16", 0.0), ("bf16", 0.01), ("int8", 0.0)]
-    return [(s, 0.0) if s in ("int8", "fp8") else ("bf16", float(s)) for s in text.split(",")]
+def levels(text):  # "0.01,int8+kv_int4" -> [("bf16", 0.01, None), ("int8", 0.0, "int4")]
+    found = []
+    for level in text.split(","):  # a sampler, then (after +kv_) its KV cache's kind
+        weights, _, kv = level.partition("+kv_")
+        sampler, noise = (weights, 0.0) if weights in W8 else ("bf16", float(weights))
+        found.append((sampler, noise, kv or None))
+    return found
 
 
 def declare(p, defaults=True):  # defaults=False: none, to see which flags were typed
     group = p.add_argument_group("run")
     switch = dict(action="store_true")
-    sweep = dict(nargs="?", const=levels(SWEEP), type=levels, metavar="LEVELS")
+    sweep = dict(nargs="?", const=(), type=levels, metavar="LEVELS")  # alone: the task's levels
 
     def a(name, help, **kw):  # the help ends with the default: per task, or argparse's
         key = name[2:].replace("-", "_")
@@ -57,13 +58,14 @@ def declare(p, defaults=True):  # defaults=False: none, to see which flags were 
         kw = kw if defaults else dict(kw, default=argparse.SUPPRESS)
         group.add_argument(name, help=help + shown, **kw)
 
-    a("--task", "gsm8k: Qwen3; sequence: tiny Qwen3, CPU", choices=tasks.RECIPE, default="gsm8k")
+    a("--task", "gsm8k: Qwen3; sequence, chain: tiny, CPU", choices=tasks.RECIPE, default="gsm8k")
     a("--center", "score centering: subtract the sampler-expected score", **switch)
     a("--compare", "centring off, then on, from the same start; one table", **switch)
     a("--seeds", "with --compare: the seeds to run, e.g. 0,1", type=csv(int))
     a("--workers", "with --compare: runs at once, threads sharing the compiled programs", type=int)
-    sweep_help = "--compare at each mismatch: σ (bf16, noise σ) or int8, fp8; on the sequence task"
-    a("--sweep", f"{sweep_help} 8 seeds, 150 steps, --topk 0 unless given ({SWEEP})", **sweep)
+    sweep_help = "--compare at each mismatch: σ (bf16, noise σ) or int8, fp8, each +kv_KIND or not"
+    levels_help = ", ".join(f"{t} {s}" for t, s in tasks.SWEEP_LEVELS.items())
+    a("--sweep", f"{sweep_help}; tiny tasks: 8 seeds, 150 steps, --topk 0 ({levels_help})", **sweep)
     a("--model", "Hugging Face repo id or local checkpoint directory", default=QWEN3_06B)
     a("--data-dir", "folder with GSM8K train.jsonl and test.jsonl (default: download once, cached)")
     a("--seed", "seed of the data order, the sampler's noise and the rollouts", type=int, default=0)
@@ -81,23 +83,27 @@ def declare(p, defaults=True):  # defaults=False: none, to see which flags were 
     a("--max-tokens", "completion length cap", type=int)
     a("--lr", "constant learning rate", type=float)
     a("--optimizer", "no schedule: nothing confounds drift", choices=OPTIMIZERS, default="sgd")
-    a("--baseline", "r - group mean, or raw r", choices=["group", "none"], default="group")
+    a("--baseline", "reward - group mean, or raw", choices=["group", "none"], default="group")
     a("--micro-batch", "rows a forward/backward pass (default: <= 8,192 tokens)", type=int)
     a("--topk", "sampler head recorded per token; 0: all V (exact)", type=int)
-    a("--tis-cap", "truncated importance sampling, w = min(p/q, C) (default: off)", type=float)
-    a("--mis", "masked IS: w = p/q inside LO,HI, else 0 (default: off)", type=csv(float))
+    a("--tis-cap", "truncated importance sampling, weight min(p/q, C) (default: off)", type=float)
+    a("--mis", "masked IS: weight p/q inside LO,HI, else 0 (default: off)", type=csv(float))
     a("--lora", "train LoRA adapters of this rank on every projection (default: off)", type=int)
     a("--lora-alpha", "LoRA scale alpha / rank (default: alpha = rank)", type=float)
 
     group = p.add_argument_group("mismatch: how the sampler differs from the float32 trainer")
     a("--sampler", "bf16, or W8A8 fake quantisation", choices=["bf16", *W8])
-    a("--kv-quant", "fake-quantise the keys and values it caches (default: off)", choices=W8)
+    a("--kv-quant", "fake-quantise the keys and values it caches (default: off)", choices=KV)
     a("--weight-noise", "fixed relative weight noise σ", type=float)
     a("--staleness", "extra steps a sampler copy serves (>= --steps: frozen)", type=int, default=0)
 
     group = p.add_argument_group("evaluation: greedy, clean bf16; the drift meter")
     a("--eval-every", "evaluate every N steps", type=int)
-    a("--eval-n", "held-out prompts: the first N GSM8K test problems; N sequence prompts", type=int)
+    a(
+        "--eval-n",
+        "held-out prompts: the first N GSM8K test problems; N tiny-task prompts",
+        type=int,
+    )
     a("--probe-n", "drift meter prompts (gsm8k: the first N test problems)", type=int, default=64)
 
 
@@ -141,12 +147,16 @@ CHECKS = [  # (a test of the flags a: what is wrong, if anything; what to say, f
         "of the {a.devices} devices",
     ),
     (
-        lambda a: not all(0 <= noise < math.inf for _, noise in a.sweep or []),
-        "--sweep levels are weight noises >= 0, int8 or fp8, got {a.sweep}",
+        lambda a: (
+            not all(0 <= noise < math.inf and kv in (None, *KV) for _, noise, kv in a.sweep or [])
+        ),
+        "--sweep levels are weight noises >= 0, int8 or fp8, each +kv_int8, +kv_int4 or +kv_fp8 "
+        "or not, got {a.sweep}",
     ),
     (
-        lambda a: a.sweep and {"sampler", "weight_noise"} & a.given,
-        "--sweep sets the sampler and its noise: drop --sampler and --weight-noise",
+        lambda a: a.sweep and {"sampler", "weight_noise", "kv_quant"} & a.given,
+        "--sweep sets the sampler, its noise and its KV cache: drop --sampler, --weight-noise "
+        "and --kv-quant",
     ),
     (lambda a: a.compare and a.center, "--compare runs centring off and on: drop --center"),
     (
@@ -252,15 +262,6 @@ def typed(argv):  # the flags typed on the command line, whatever their values
     return set(vars(p.parse_known_args(argv)[0]))
 
 
-def default_micro_batch(args):
-    """The largest divisor of B = P·G that is a multiple of the devices and holds at most 8,192
-    completion tokens (GSM8K's 512-token completions: 16 rows)."""
-    B, devices = args.prompts * args.group, jax.device_count()
-    cap = min(B, 8192 // max(args.max_tokens, 1))
-    divisors = [d for d in range(devices, cap + 1, devices) if B % d == 0]
-    return (divisors or [max(B, 1)])[-1]
-
-
 def changed_since(args, was):  # a --resume: the first flag that differs from its run.json
     now = json.loads(json.dumps(run_config(args)))  # as run.json holds it: tuples are lists
     changed = [k for k, v in now.items() if was.get(k) != v and k != "save_every"]
@@ -280,15 +281,17 @@ def parse_args(argv=None, description=None):
         args = p.parse_args(argv)
 
     # the defaults that depend on the task, and on the devices
+    if args.sweep == ():  # --sweep without levels: the task's
+        args.sweep = levels(tasks.SWEEP_LEVELS[args.task])
     args.compare = args.compare or bool(args.sweep)  # a sweep is a --compare at every level
     recipe = tasks.RECIPE[args.task]
-    if args.sweep and args.task == "sequence":
+    if args.sweep and args.task in tasks.TINY:
         recipe = recipe | tasks.SWEEP_RECIPE  # its own: 8 seeds, 150 steps, exact centring
     vars(args).update({k: d for k, d in recipe.items() if getattr(args, k) is None})
     if jax.process_count() > 1:  # processes enter a run's collectives together: one run at a time
         args.workers = 1
     if args.micro_batch is None:
-        args.micro_batch = default_micro_batch(args)
+        args.micro_batch = devices.default_micro_batch(args)
     args.lora_alpha = args.lora if args.lora_alpha is None else args.lora_alpha
 
     # every mistake at once, one line each
@@ -419,6 +422,9 @@ def finish(out, hist, lr=None, prefix=""):
     final, acc, drift = str(steps), hist["acc"], hist["drift"]
     kl, reward = float(np.mean(hist["kl_q_p"])), float(np.mean(hist["reward"][-5:]))  # last 5 steps
     summary = dict(drift=drift, final_drift=drift[final], mean_kl_q_p=kl, reward=reward)
+    evals = sorted(map(int, acc))  # the mismatch between evaluations: does it grow as p sharpens?
+    pairs = zip(evals[:-1], evals[1:], strict=True)
+    summary["kl_q_p"] = {str(b): float(np.mean(hist["kl_q_p"][a:b])) for a, b in pairs}
     peak = max(acc.values())
     summary |= dict(eval_acc=acc, peak_acc=peak, final_acc=acc[final], drop=peak - acc[final])
     if "diverged_at_step" in hist:

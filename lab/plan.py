@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-import harness
 import qwen3
+from lab import harness
 
 
 def plan(args, cfg, fn, shardings, lora_init, T0=256):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from devices import host
+from lab.devices import host
 
 
 def categorical(key, logq, block=128):

@@ -1,6 +1,7 @@
 """What train.py trains on: a model, prompts to train on and held-out ones, each with its gold
 answer, the drift meter's probe prompts, and a batch reward. Two tasks: GSM8K with a Qwen3
-checkpoint, and a CPU sequence task on a tiny Qwen3 that shows what drift costs.
+checkpoint; on a CPU, on a tiny Qwen3, the sequence task (a reward per token) that shows what drift
+costs, and the chain task (GSM8K's shape: one binary reward after a long completion).
 B rows, M completion tokens, V vocabulary, L layers."""
 
 import json
@@ -15,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import hf_checkpoint
 import qwen3
+from lab import hf_checkpoint
 
 # train, test: [(prompt tokens, gold)]; probe: [prompt tokens];
 # reward(tokens [B, M], mask [B, M], golds) -> [B]; path: the checkpoint's folder (or None)
@@ -47,10 +48,31 @@ RECIPE = {  # per task, the defaults of the flags that depend on it
         workers=3,  # runs at once: its steps are too small to fill a CPU's cores
         topk=128,  # as GSM8K's (a --sweep: exact, below)
     ),
+    "chain": dict(
+        steps=150,
+        lr=0.1,
+        prompts=4,
+        max_tokens=64,  # a completion is long: each token moves its one reward little
+        eval_every=25,
+        eval_n=512,  # a held-out score of one bit a prompt: more prompts than the sequence task's
+        sampler="int8",
+        weight_noise=0.0,
+        workers=3,
+        topk=0,  # exact centring: V is 1,024
+    ),
 }
-# --sweep on the sequence task: 8 seeds in about 10 minutes on 2 cores (docs/sweep.md); exact
-# centring over V = 1,024 (no tail model, and faster on a CPU than XLA's top-128)
+# --sweep on the tiny tasks: 8 seeds; on the sequence task about 10 minutes on 2 cores
+# (docs/sweep.md); exact centring over V = 1,024 (no tail model, and faster on a CPU than top-128)
 SWEEP_RECIPE = dict(seeds=tuple(range(8)), steps=150, eval_every=25, topk=0)
+# --sweep's levels of mismatch (harness.levels): bf16 with fixed weight noise σ, W8A8 int8 or fp8,
+# each with a quantised KV cache or not. The chain task's: what real engines run (bf16, int8 W8A8,
+# fp8 with an fp8 cache as in verl's collapse, int8 with an int4 cache as in the paper's 30B run)
+# and a noise whose kl_q_p is near 0.05, the top of the band measured on fp8 engines
+SWEEP_LEVELS = dict(
+    gsm8k="0,0.01,0.03,0.1,int8",
+    sequence="0,0.01,0.03,0.1,int8",
+    chain="0,int8,fp8+kv_fp8,int8+kv_int4,0.02",
+)
 
 # -------------------------------------------------------------------------------------------------
 # GSM8K: grade-school maths in Qwen3's chat markup, rewarded 1 when the last number is the answer
@@ -215,6 +237,25 @@ def sequence_task(seed, eval_n, probe_n):
     return Task(cfg, w, (-1,), 0, train, test, probe, reward_of, None)
 
 
+CHAIN_PASS = 0.6  # the fraction of good tokens a completion needs: p_0 samples pass 28-36%
+
+
+def chain_task(seed, eval_n, probe_n):
+    """The sequence task's p_0, prompts and good tokens, with GSM8K's shape of reward: one bit per
+    completion, 1 when at least CHAIN_PASS of its tokens are good (a chain of reasoning is right
+    only when most of its steps are). One token barely moves that bit: the longer the completion,
+    the less signal per token, while the drift per token stays (score_centering.py, step 4)."""
+    task = sequence_task(seed, eval_n, probe_n)
+
+    def reward_of(tokens, mask, golds):
+        return (task.reward(tokens, mask, golds) >= CHAIN_PASS).astype(jnp.float32)
+
+    return task._replace(reward=reward_of)
+
+
+TINY = dict(sequence=sequence_task, chain=chain_task)  # the tasks whose model comes from the seed
+
+
 # -------------------------------------------------------------------------------------------------
 # Loading: every check that config.json allows, before any download of data or weights
 
@@ -223,12 +264,12 @@ def load(args, place=None):
     """The task of the flags (--plan: the model's config.json). A bad checkpoint or data file: one
     line, no traceback."""
     try:
-        cfg = SEQUENCE if args.task == "sequence" else hf_checkpoint.config(args.model)[0]
+        cfg = SEQUENCE if args.task in TINY else hf_checkpoint.config(args.model)[0]
         check_against_model(cfg, args)
         if args.plan:
             return cfg
-        if args.task == "sequence":
-            return sequence_task(args.seed, args.eval_n, args.probe_n)
+        if args.task in TINY:
+            return TINY[args.task](args.seed, args.eval_n, args.probe_n)
         return gsm8k_task(args.model, args.data_dir, args.eval_n, args.probe_n, place)
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
@@ -236,7 +277,7 @@ def load(args, place=None):
 
 def check_against_model(cfg, args):  # the flags that the model's config.json can refuse
     V, n_pos = cfg["vocab_size"], cfg.get("max_position_embeddings", math.inf)
-    name = "the sequence task" if args.task == "sequence" else args.model
+    name = f"the {args.task} task" if args.task in TINY else args.model
     if args.topk > V:
         raise ValueError(f"--topk {args.topk} exceeds the {V} tokens of {name}")
     if args.topk == 0 and V > 4096:

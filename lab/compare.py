@@ -10,9 +10,7 @@ import time
 import jax
 import numpy as np
 
-import harness
-import sweep
-import tasks
+from lab import harness, sweep, tasks
 
 
 def compare(args, task, fn, run):
@@ -21,12 +19,14 @@ def compare(args, task, fn, run):
     start = time.perf_counter()  # the sweep's wall-clock time, compiling included
     seeds = args.seeds or [args.seed]
     by_seed = dict.fromkeys(seeds, task)
-    if args.task == "sequence":  # its model comes from the seed (GSM8K's does not)
-        by_seed = {seed: tasks.sequence_task(seed, args.eval_n, args.probe_n) for seed in seeds}
+    if args.task in tasks.TINY:  # its model comes from the seed (GSM8K's does not)
+        build = tasks.TINY[args.task]
+        by_seed = {seed: build(seed, args.eval_n, args.probe_n) for seed in seeds}
     results, pool = {}, concurrent.futures.ThreadPoolExecutor(args.workers)
-    for sampler, noise in args.sweep or [(args.sampler, args.weight_noise)]:
-        level = sampler + (f"_noise{noise:g}" if noise else "")
-        level_args = argparse.Namespace(**vars(args) | dict(sampler=sampler, weight_noise=noise))
+    for sampler, noise, kv in args.sweep or [(args.sampler, args.weight_noise, args.kv_quant)]:
+        level = sampler + (f"_noise{noise:g}" if noise else "") + (f"_kv_{kv}" if kv else "")
+        mismatch = dict(sampler=sampler, weight_noise=noise, kv_quant=kv)
+        level_args = argparse.Namespace(**vars(args) | mismatch)
         results[level] = {}
         for seed in seeds:
             for center in (False, True):

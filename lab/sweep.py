@@ -20,12 +20,15 @@ import os
 import jax
 import numpy as np
 
-import harness
+from lab import harness
 
 # a run's score at its end: the mean of its last 4 evaluations. One evaluation's noise is 1 to 2
 # points; four halve it (if independent). At the default 25 of 150 steps they are steps 75 to 150,
 # at 200 of 3,000 steps 2,400 to 3,000: the end of the run, not the path there
 LAST = 4
+# the kl_q_p users measured on real engines against their trainers (docs/sweep.md names the
+# sources): the bands the map shades, to read the sweep's levels against
+ENGINES = {"bf16 engines": (1e-4, 9e-3), "fp8 engines": (1e-2, 6e-2)}
 
 
 def by_seed(res):  # {run: summary}, run after run as --compare makes them -> [(uncentred, centred)]
@@ -187,6 +190,19 @@ def steps_tables(rows, n=6):  # the gain and the ratio at n evenly spaced evalua
         harness.table(f"{name} [95%] at step", cells, {str(step): "{:>21}" for step in steps})
 
 
+def kl_table(results):  # each arm's kl_q_p between evaluations, the mean of the seeds
+    cells = {}
+    for level, res in results.items():
+        for arm, runs in zip(("u", "c"), zip(*by_seed(res), strict=True), strict=True):
+            steps = sorted(set.intersection(*(set(run["kl_q_p"]) for run in runs)), key=int)
+            cells[f"{level} {arm}"] = {
+                s: np.mean([run["kl_q_p"][s] for run in runs]) for s in steps
+            }
+    columns = sorted({s for row in cells.values() for s in row}, key=int)
+    cells = {k: {s: row.get(s, math.nan) for s in columns} for k, row in cells.items()}
+    harness.table("kl_q_p to step", cells, dict.fromkeys(columns, "{:9.2e}"))
+
+
 def plot_map(file, rows, results, colours):
     """Left: the gain from centring (points, 95% intervals as bars) and the drift ratio, against
     the measured kl_q_p on a log axis. Right: the mean held-out curves of each level (dashed:
@@ -205,6 +221,9 @@ def plot_map(file, rows, results, colours):
         bars = np.nan_to_num([mean - lo, hi - mean])  # one seed: no bars
         ax.errorbar(kl, mean, bars, fmt="o-" if name == "gain" else "s--", color=colour, capsize=3)
     left.axhline(0, color="grey", lw=0.5)
+    for (name, (lo, hi)), colour in zip(ENGINES.items(), ("tab:blue", "tab:orange"), strict=True):
+        left.axvspan(lo, hi, color=colour, alpha=0.12, label=name + " (measured)")
+    left.legend(fontsize=7, frameon=False, loc="upper left")
     left.set(xscale="log", xlabel="measured kl_q_p (nats a token)", ylabel="gain (points, 95%)")
     twin.set_ylabel("drift uncentred / centred", color="tab:red")
 
@@ -259,6 +278,7 @@ def report(args, results, seconds):  # results {level: {run: summary}}: tables, 
         "from_step: the first evaluation from which the gain's interval stays above 0"
     )
     steps_tables(rows)
+    kl_table(results)
 
     # the figures: the map, and against steps next to it
     if args.plot and not jax.process_index():

@@ -100,3 +100,12 @@ def reachable(address, seconds):  # a TCP connection to host:port opens within `
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.5)
+
+
+def default_micro_batch(args):
+    """The largest divisor of B = P·G that is a multiple of the devices and holds at most 8,192
+    completion tokens (GSM8K's 512-token completions: 16 rows)."""
+    B, devices = args.prompts * args.group, jax.device_count()
+    cap = min(B, 8192 // max(args.max_tokens, 1))
+    divisors = [d for d in range(devices, cap + 1, devices) if B % d == 0]
+    return (divisors or [max(B, 1)])[-1]

@@ -1,0 +1,12 @@
+"""The machinery train.py's runs stand on; the ideas are in the files above this folder.
+
+hf_checkpoint  Hugging Face checkpoints: safetensors, config.json, the tokenizer; load and save
+tasks          the tasks and their rewards: GSM8K, the sequence task
+rollouts       sampling many prompts in device-sized calls; the drift meter
+devices        the FSDP layout of the weights; several processes (jax.distributed)
+harness        flags and their checks, logs, resumable state, Ctrl-C
+compare        --compare: centring off and on from the same start, per seed and level
+sweep          --sweep's statistics: paired intervals, verdicts, the figures
+plan           --plan: the bytes each device holds, from config.json alone
+bench          python -m lab.bench: how fast train.py samples and trains, against the limits
+"""

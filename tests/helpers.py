@@ -1,0 +1,269 @@
+"""Plain helpers shared by several files in tests/, imported by name (pytest puts tests/ on
+sys.path): a tiny random Qwen3 checkpoint in the Hugging Face layout, written without our code; a
+tiny GSM8K folder and the flags of a seconds-long run on it; prompts for the sampler; metrics rows
+without their times; strict JSON."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from lab import rollouts
+
+
+# ---- a tiny random Qwen3 checkpoint in the Hugging Face layout, written without our code
+def gpt2_bytes_to_unicode():  # GPT-2's byte -> printable character table
+    bs = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [b for b in range(256) if b not in bs]
+    return dict(zip(bs + others, map(chr, bs + [256 + i for i in range(len(others))]), strict=True))
+
+
+TINY_MERGES = [
+    "Ġ t",
+    "h e",
+    "Ġt he",
+    "i n",
+    "Ġ a",
+    "e r",
+    "Ġ s",
+    "o n",
+    "r e",
+    "a n",
+    "Ċ Ċ",
+    "Ġ Ġ",
+    "ĠĠ ĠĠ",
+    "Ġ 1",
+    "1 2",
+    "Ġa n",
+    "Ġan d",
+    "Ġ w",
+    "o r",
+]
+
+
+TINY_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+def write_safetensors(file, tensors):  # {name: numpy array} -> safetensors file, bf16 stays bf16
+    names = {np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float32): "F32"}
+    header, offset = {}, 0
+    for name, a in tensors.items():
+        header[name] = dict(
+            dtype=names[a.dtype], shape=a.shape, data_offsets=[offset, offset + a.nbytes]
+        )
+        offset += a.nbytes
+    h = json.dumps(header).encode()
+    with open(file, "wb") as f:
+        f.write(len(h).to_bytes(8, "little") + h)
+        for a in tensors.values():
+            f.write(np.ascontiguousarray(a).tobytes())
+
+
+def write_tiny_checkpoint(path, tie=True, shards=1, seed=0, **overrides):
+    """Write a tiny random Qwen3 checkpoint, Hugging Face layout, to directory `path`; return it.
+
+    Files: config.json (hidden 32, 4 query heads, 2 kv heads, head_dim 16 != 32/4, 2 layers, mlp 64,
+    vocab 300), generation_config.json (eos [277, 275]), bfloat16 safetensors (one file, or `shards`
+    files and model.safetensors.index.json), and a byte-level BPE tokenizer: vocab.json (the 256
+    byte characters, then 19 merges), merges.txt, tokenizer_config.json (added tokens <|endoftext|>,
+    <|im_start|>, <|im_end|>, <think>, </think> = ids 275..279).
+    tie: tied embeddings (no lm_head.weight). seed: the weights' random seed. overrides: config.json
+    keys to set (None deletes the key), e.g. num_hidden_layers=1; the tensors follow the config.
+    """
+    os.makedirs(path, exist_ok=True)
+    chars = gpt2_bytes_to_unicode()
+    vocab = {chars[b]: i for i, b in enumerate(chars)}
+    for m in TINY_MERGES:
+        vocab[m.replace(" ", "")] = len(vocab)
+    special = {t: len(vocab) + i for i, t in enumerate(TINY_SPECIAL)}
+    cfg = dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        attention_bias=False,
+        attention_dropout=0.0,
+        use_sliding_window=False,
+        bos_token_id=special["<|endoftext|>"],
+        eos_token_id=special["<|im_end|>"],
+        torch_dtype="bfloat16",
+    )
+    cfg.update(overrides)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    D, F, V, L = (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["vocab_size"],
+        cfg["num_hidden_layers"],
+    )
+    N, K, H = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not tie:
+        shapes["lm_head.weight"] = (V, D)
+    for i in range(L):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (D,),
+            p + "post_attention_layernorm.weight": (D,),
+            p + "self_attn.q_proj.weight": (N * H, D),
+            p + "self_attn.k_proj.weight": (K * H, D),
+            p + "self_attn.v_proj.weight": (K * H, D),
+            p + "self_attn.o_proj.weight": (D, N * H),
+            p + "self_attn.q_norm.weight": (H,),
+            p + "self_attn.k_norm.weight": (H,),
+            p + "mlp.gate_proj.weight": (F, D),
+            p + "mlp.up_proj.weight": (F, D),
+            p + "mlp.down_proj.weight": (D, F),
+        }
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            a = 1 + 0.2 * rng.standard_normal(shape)  # norm weights
+        else:  # embeddings O(1), projections scaled by fan-in
+            scale = 0.5 if name.startswith(("model.embed", "lm_head")) else shape[1] ** -0.5
+            a = scale * rng.standard_normal(shape)
+        tensors[name] = a.astype(ml_dtypes.bfloat16)
+    if shards == 1:
+        write_safetensors(f"{path}/model.safetensors", tensors)
+    else:
+        files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+        weight_map = {name: files[i % shards] for i, name in enumerate(tensors)}
+        for f in files:
+            write_safetensors(
+                f"{path}/{f}", {n: a for n, a in tensors.items() if weight_map[n] == f}
+            )
+        json.dump(
+            {
+                "metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+                "weight_map": weight_map,
+            },
+            open(f"{path}/model.safetensors.index.json", "w"),
+        )
+    json.dump(cfg, open(f"{path}/config.json", "w"), indent=2)
+    json.dump(
+        {
+            "eos_token_id": [special["<|im_end|>"], special["<|endoftext|>"]],
+            "pad_token_id": special["<|endoftext|>"],
+            "bos_token_id": special["<|endoftext|>"],
+        },
+        open(f"{path}/generation_config.json", "w"),
+    )
+    json.dump(vocab, open(f"{path}/vocab.json", "w", encoding="utf-8"), ensure_ascii=False)
+    open(f"{path}/merges.txt", "w", encoding="utf-8").write(
+        "#version: 0.2\n" + "\n".join(TINY_MERGES) + "\n"
+    )
+    added = {
+        str(i): dict(
+            content=t,
+            lstrip=False,
+            normalized=False,
+            rstrip=False,
+            single_word=False,
+            special=not t.endswith("think>"),
+        )
+        for t, i in special.items()
+    }
+    json.dump(
+        {
+            "added_tokens_decoder": added,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "bos_token": None,
+            "unk_token": None,
+            "add_prefix_space": False,
+            "errors": "replace",
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 512,
+            "split_special_tokens": False,
+            "tokenizer_class": "Qwen2Tokenizer",
+        },
+        open(f"{path}/tokenizer_config.json", "w"),
+        indent=2,
+    )
+    return path
+
+
+# ---- positions and prompts
+def arange_pos(B, T):
+    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+
+def _prompts(tok, B, seed=0):  # B token lists of different lengths
+    rng = np.random.default_rng(seed)
+    return rollouts.left_pad(
+        [list(rng.integers(0, 256, size=int(n))) for n in rng.integers(3, 12, size=B)],
+        tok.pad_id,
+        multiple=4,
+    )
+
+
+# 25 of the 300 ids end a completion, so completions stop at different steps
+STOP = tuple(range(0, 300, 12))
+
+
+# ---- runs: a tiny GSM8K folder, the flags of a run on it, what its files hold
+def write_gsm8k(data, n_train=6, n_test=3):
+    os.makedirs(data, exist_ok=True)
+    for split, n in (("train", n_train), ("test", n_test)):
+        with open(os.path.join(data, f"{split}.jsonl"), "w") as f:
+            f.writelines(
+                json.dumps(
+                    {
+                        "question": f"What is {i} + {i}?",
+                        "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}",
+                    }
+                )
+                + "\n"
+                for i in range(n)
+            )
+    return str(data)
+
+
+def tiny_argv(gsm, *extra):  # a GSM8K run of the tiny checkpoint: seconds on a CPU
+    return [
+        "--model",
+        gsm[0],
+        "--data-dir",
+        gsm[1],
+        "--steps",
+        "2",
+        "--prompts",
+        "2",
+        "--group",
+        "4",
+        "--max-tokens",
+        "8",
+        "--eval-every",
+        "1",
+        "--probe-n",
+        "3",
+        *extra,
+    ]
+
+
+def _strip(rows):  # metrics rows without their wall-clock times
+    return [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
+
+
+def _strict_json(text):  # json.loads that refuses NaN and ±inf, as strict parsers do
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)

@@ -1,0 +1,153 @@
+"""bench.py: the timing rounds, the sampler and train-step figures on faked timings, the bytes a
+decode step reads and the FLOPs of a train step counted by hand, and bad flags."""
+
+from functools import partial
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lab import bench
+
+
+def test_bench_rounds_alternate_after_compiling_and_warming_up():
+    # a fake clock that each call moves on by its next duration
+    now = [0.0]
+    log = []
+    durations = dict(a=[10.0, 1.0, 2.0, 3.0, 4.0], b=[20.0, 5.0, 6.0, 7.0, 8.0])
+
+    def call(name):
+        log.append(name)
+        now[0] += durations[name].pop(0)
+
+    calls = dict(a=partial(call, "a"), b=partial(call, "b"))
+    first, times = bench.timed_rounds(calls, 3, clock=lambda: now[0])
+    assert first == dict(a=10.0, b=20.0)  # the compiling calls; the warm-ups (1, 5) in neither
+    assert times == dict(a=[2.0, 3.0, 4.0], b=[6.0, 7.0, 8.0])
+    assert log == ["a", "b", "a", "b"] + ["a", "b", "b", "a", "a", "b"]  # each first in turn
+
+
+def test_bench_sampler_figures_on_faked_timings():
+    # B 2, T0 3, M 5: a decode step is (t(5) - t(1)) / 4; 8 GB read a step, of 40 GB/s
+    times = {
+        ("bf16", 1, 1): [1.0, 1.2, 1.1],  # median 1.1
+        ("bf16", 1, 5): [1.8, 2.4, 2.3],  # median 2.3; steps 0.2, 0.3, 0.3
+        ("bf16", 128, 1): [1.0, 1.0, 1.0],
+        ("bf16", 128, 5): [2.0, 2.2, 2.6],  # median 2.2; steps 0.25, 0.3, 0.4
+        ("int8", 128, 1): [0.9, 1.3, 1.0],
+        ("int8", 128, 5): [2.1, 2.9, 2.6],  # median 2.6; steps 0.3, 0.4, 0.4
+    }
+    first = {(kind, k, m): 20.0 if m == 1 else 60.0 for kind, k, m in times}
+    plain, top, int8 = bench.sampler_rows(2, 3, 5, first, times, 8e9, 40e9, peak=7.5)
+    assert (plain["sampler"], plain["k"], top["k"], int8["sampler"]) == ("bf16", 1, 128, "int8")
+
+    # bf16 k 1: step (2.3 - 1.1) / 4 = 0.3 s, prefill 1.1 - 0.3 = 0.8 s
+    assert plain["ms_step"] == pytest.approx(300)
+    assert plain["prefill_tok_s"] == pytest.approx(6 / 0.8)
+    assert plain["decode_tok_s"] == pytest.approx(2 / 0.3)
+    assert plain["GB_s"] == pytest.approx(8 / 0.3)
+    assert plain["of_bw"] == pytest.approx(8 / 0.3 / 40)
+    assert plain["compile_s"] == pytest.approx((20 - 1.1) + (60 - 2.3))
+    assert plain["peak_GiB"] == 7.5
+    assert plain["x_plain"] == pytest.approx(1)
+
+    # k 128: step (2.2 - 1.0) / 4 = 0.3 s, prefill 0.7 s; per round 0.25/0.2, 0.3/0.3, 0.4/0.3
+    assert top["ms_step"] == pytest.approx(300)
+    assert top["prefill_tok_s"] == pytest.approx(6 / 0.7)
+    assert top["x_plain"] == pytest.approx(1.25)  # the ratio of the medians would say 1.0
+
+    # int8 against bf16 k 1 (not bf16 k 128): 0.3/0.2, 0.4/0.3, 0.4/0.3
+    assert int8["ms_step"] == pytest.approx(400)
+    assert int8["x_plain"] == pytest.approx(4 / 3)
+
+
+def test_bench_train_figures_on_faked_timings():
+    # k 128, B 4, T 24 tokens a row, 6 TFLOP a step, a peak of 2 TFLOP/s
+    times = {False: [10.0, 8.0, 12.0], True: [12.0, 8.8, 9.6]}  # medians 10, 9.6
+    first = {False: 50.0, True: 40.0}
+    uncentred, centred = bench.train_rows(128, 4, 24, 6e12, first, times, 2e12, peak=3.0)
+    assert (uncentred["train"], centred["train"], centred["k"]) == ("uncentred", "centred", 128)
+    assert uncentred["s_step"] == pytest.approx(10)
+    assert uncentred["MFU"] == pytest.approx(0.3)
+    assert uncentred["x_uncentred"] == pytest.approx(1)
+    assert centred["s_step"] == pytest.approx(9.6)
+    assert centred["tok_s"] == pytest.approx(96 / 9.6)
+    assert centred["TFLOP_s"] == pytest.approx(6 / 9.6)
+    assert centred["MFU"] == pytest.approx(6 / 9.6 / 2)
+    assert centred["compile_s"] == pytest.approx(40 - 9.6)
+    # centred / uncentred round by round: 1.2, 1.1, 0.8; the ratio of the medians says 0.96, the
+    # inverse ratios' median 0.909
+    assert centred["x_uncentred"] == pytest.approx(1.1)
+    assert bench.train_rows(0, 4, 24, 6e12, first, times, 2e12, peak=3.0)[0]["k"] == "V"
+
+
+def test_bench_measures_a_cpus_peaks_from_the_median_rounds(monkeypatch):
+    """No spec sheet for a CPU: FLOP/s = 2 x 4096³ / the 4096 x 4096 matmul's median time, and
+    bytes/s = 2 x 1 GiB / the copy's median time (a copy reads its bytes and writes them)."""
+    seen, made = [], []
+
+    def fake_rounds(calls, repeats):  # the figures from these times, none from a clock
+        seen.append((sorted(calls), repeats))
+        times = dict(matmul=[0.5, 0.1, 0.2, 9.0, 0.4], copy=[0.3, 0.01, 0.05, 0.02, 0.6])
+        return dict.fromkeys(calls, 99.0), times
+
+    def zeros(shape):  # jnp's float32, not filled (numpy's pages come zeroed when touched)
+        made.append(np.zeros(shape, np.float32))
+        return made[-1]
+
+    monkeypatch.setattr(bench, "timed_rounds", fake_rounds)
+    fast = dict(zeros=zeros, ones=lambda shape: np.ones(shape, np.float32))
+    monkeypatch.setattr(bench, "jnp", SimpleNamespace(**vars(jnp) | fast))
+    assert not any(name in jax.devices()[0].device_kind for name in bench.PEAKS)
+    flops, bandwidth, source = bench.peaks(5)
+    assert seen == [(["copy", "matmul"], 5)] and source == "measured"
+    assert flops == pytest.approx(2 * 4096**3 / 0.4)  # medians: 0.4 s, 0.05 s
+    assert len(made) == 1 and made[0].nbytes == 2**30  # the copy's 1 GiB
+    assert bandwidth == pytest.approx(2 * 2**30 / 0.05)
+
+
+def test_bench_decode_reads_weights_head_and_both_k_and_v():
+    # L 2, D 8, N 2, K 1, H 4, V 16, bf16: 2 bytes a number
+    layers = dict(
+        q=jnp.zeros((2, 8, 2, 4), jnp.bfloat16),  # 128 numbers
+        k=jnp.zeros((2, 8, 1, 4), jnp.bfloat16),  # 64
+        norm=jnp.zeros((2, 8), jnp.bfloat16),  # 16
+    )
+    w = dict(embed=jnp.zeros((16, 8), jnp.bfloat16), norm=jnp.zeros(8), layers=layers)
+    # B 3, T0 5, M 2: a cache of 7 positions, K and V each 2 x 3 x 7 x 1 x 4 numbers
+    kv = 2 * (2 * 3 * 7 * 1 * 4) * 2
+    assert kv == 672
+    assert bench.decode_bytes(w, 3, 5, 2) == (128 + 64 + 16) * 2 + 16 * 8 * 2 + kv
+    untied = dict(w, lm_head=jnp.zeros((8, 16)))  # the head read instead of the embedding: float32
+    assert bench.decode_bytes(untied, 3, 5, 2) == (128 + 64 + 16) * 2 + 16 * 8 * 4 + kv
+
+
+def test_bench_train_flops_are_three_forwards():
+    # L 2, D 8, N 2, K 1, H 4, F 16, V 32; B 3, T0 5, M 2: T 7
+    shapes = dict(
+        q=(2, 8, 2, 4),
+        k=(2, 8, 1, 4),
+        v=(2, 8, 1, 4),
+        o=(2, 2, 4, 8),
+        gate=(2, 8, 16),
+        up=(2, 8, 16),
+        down=(2, 16, 8),
+        norm=(2, 8),
+    )
+    w = dict(embed=jnp.zeros((32, 8)), layers={n: jnp.zeros(s) for n, s in shapes.items()})
+    matmul = 128 + 64 + 64 + 128 + 256 + 256 + 256  # the norm is no matmul
+    forward = 2 * 7 * matmul + 2 * 3 * (32 * 8) + 4 * 2 * 7 * 7 * 2 * 4  # a row
+    assert forward == 16128 + 1536 + 3136
+    assert bench.train_flops(w, 3, 5, 2) == 3 * 3 * forward  # forward, and backward's 2 x
+
+
+@pytest.mark.parametrize(
+    "argv", [["--repeats", "0"], ["--new", "1"], ["--batch", "1,x"], ["--rows", "3"]]
+)
+def test_bench_refuses_a_bad_flag_in_one_line(argv, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert "error: " in error and argv[0] in error

@@ -1,0 +1,430 @@
+"""train.main end to end, in seconds on a CPU: metrics, summary and checkpoint; --compare on GSM8K
+and the sequence task (drift costs held-out score without centring) and its report and verdict;
+resume, Ctrl-C, staleness, and a diverging run that stops with finite weights."""
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import score_centering as sc
+import train
+from helpers import _strict_json, _strip, tiny_argv
+from lab import compare, harness, hf_checkpoint, tasks
+
+# the project root, where train.py is (run as a script by the Ctrl-C test)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def spy_center(monkeypatch):  # the `center` of every traced sc.loss call
+    seen, real = [], sc.loss
+
+    def spy(*a, **kw):
+        seen.append(kw["center"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train.sc, "loss", spy)
+    return seen
+
+
+def test_train_end_to_end_writes_metrics_summary_and_a_checkpoint(
+    tmp_path, gsm, capsys, monkeypatch
+):
+    seen = spy_center(monkeypatch)
+    summary = train.main(
+        tiny_argv(
+            gsm,
+            "--center",
+            "--sampler",
+            "fp8",
+            "--kv-quant",
+            "int8",
+            "--weight-noise",
+            "0.05",
+            "--mis",
+            "0.5,5",
+            "--out",
+            str(tmp_path / "run"),
+            "--save",
+            str(tmp_path / "saved"),
+        )
+    )
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[:2]:
+        keys = ("loss", "grad_norm", "kl_q_p", "logprob_gap", "entropy", "mis_masked")
+        assert all(np.isfinite(r[k]) for k in keys)
+    assert rows[0]["drift"] == 0.0 and all("drift" in r and "acc" in r for r in rows)
+    assert seen and set(seen) == {True}  # --center reached the loss
+    assert json.load(open(tmp_path / "run" / "summary.json")) == summary
+    assert set(summary) == {
+        "eval_acc",
+        "peak_acc",
+        "final_acc",
+        "drop",
+        "drift",
+        "final_drift",
+        "mean_kl_q_p",
+        "kl_q_p",
+        "reward",
+    }
+    assert summary["final_drift"] == rows[-1]["drift"] == summary["drift"]["2"]
+    saved = hf_checkpoint.load(str(tmp_path / "saved"))
+    assert saved.tokenizer.encode("hi") == hf_checkpoint.load(gsm[0]).tokenizer.encode("hi")
+    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(saved.weights))
+
+
+def test_gsm8k_compare_runs_both_arms_from_the_same_start(tmp_path, gsm, capsys, monkeypatch):
+    seen = spy_center(monkeypatch)
+    plot = (
+        ["--plot", str(tmp_path / "figs" / "cmp.png")]
+        if importlib.util.find_spec("matplotlib")
+        else []
+    )
+    summary = train.main(
+        tiny_argv(
+            gsm,
+            "--compare",
+            "--sampler",
+            "int8",
+            "--weight-noise",
+            "0.05",
+            "--out",
+            str(tmp_path / "cmp"),
+            *plot,
+        )
+    )
+    text = capsys.readouterr().out
+    table = [
+        line.split() for line in text.splitlines() if line.startswith(("uncentered ", "centered "))
+    ]
+    assert [row[0] for row in table] == ["uncentered", "centered"] and seen == [False, True]
+    assert float(table[1][3]) == pytest.approx(summary["centered"]["drop"], abs=1e-3)
+    assert summary["verdict"].startswith("verdict: ") and "verdict: " in text
+    rows = {
+        arm: [json.loads(x) for x in open(tmp_path / "cmp" / arm / "metrics.jsonl")]
+        for arm in ("uncentered", "centered")
+    }
+    # the same weights, data, sampler noise and keys: the first batch is the same batch in both arms
+    assert rows["uncentered"][0]["reward"] == rows["centered"][0]["reward"]
+    assert rows["uncentered"][0]["kl_q_p"] == rows["centered"][0]["kl_q_p"]
+    assert json.load(open(tmp_path / "cmp" / "summary.json")) == summary
+    assert not plot or os.path.getsize(tmp_path / "figs" / "cmp.png") > 1000
+
+
+def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, capsys, monkeypatch):
+    """The full LLM loop (sampler, KV cache, int8 + noise, top-k record, train step), shortened: on
+    two seeds, uncentred GRPO walks farther and its held-out score falls further than centred
+    GRPO's. Its four runs, three at once (the sequence task's --workers), log what they log one
+    after another, row for row (seed 0's two runs, run again one at a time)."""
+    seen = spy_center(monkeypatch)
+    flags = "--task sequence --compare --steps 8 --lr 0.4 --eval-n 128 --probe-n 8".split()
+    summary = train.main([*flags, "--seeds", "0,1", "--out", str(tmp_path / "two")])
+    assert sorted(seen) == [False, True]  # one train step traced per arm, shared by seeds, threads
+    lines = capsys.readouterr().out.splitlines()
+    one = train.main([*flags, "--seeds", "0", "--workers", "1", "--out", str(tmp_path / "one")])
+    assert all(one[name] == summary[name] for name in ("uncentered_seed0", "centered_seed0"))
+    names = [f"{c}_seed{s}" for s in (0, 1) for c in ("uncentered", "centered")]
+    for name in names:
+        rows = [
+            _strip(map(json.loads, open(tmp_path / d / name / "metrics.jsonl")))
+            for d in ("two", "one")
+            if (tmp_path / d / name).exists()
+        ]
+        assert rows[0] == rows[-1] and len(rows[0]) == 9 and len(rows) == 2 - name.endswith("1")
+        steps = [line for line in lines if line.startswith(f"{name}: step ")]
+        assert len(steps) == 9 and all(line.count(" | ") == 9 for line in steps), steps
+    for s in (0, 1):
+        off, on = summary[f"uncentered_seed{s}"], summary[f"centered_seed{s}"]
+        assert off["eval_acc"]["0"] == on["eval_acc"]["0"] and list(off["eval_acc"]) == ["0", "8"]
+        assert off["drop"] > on["drop"] + 0.05 and off["final_acc"] < on["final_acc"] - 0.05, (
+            off,
+            on,
+        )
+        assert off["final_drift"] > 1.5 * on["final_drift"] > 0, (off, on)
+    table = [line.split() for line in lines if line.split(" ")[0] in names]  # not "name: step"
+    assert [row[0] for row in table] == names
+    assert float(table[0][3]) == pytest.approx(summary["uncentered_seed0"]["drop"], abs=1e-3)
+    assert summary["verdict"] in lines
+
+
+def test_compare_runs_each_seed_as_that_seed_alone(tmp_path):
+    """A seed inside --compare is the run of that seed alone (its own p_0, keys, data order and
+    noise): --compare --seeds 3 and --compare --seed 3 each run seed 3 as --seed 3 does, row for
+    row and in its summary (the uncentred arm), not on seed 0's model (the default --seed) or as
+    seed 0."""
+    flags = "--task sequence --steps 1 --prompts 2 --group 4 --max-tokens 6 --eval-n 8 --probe-n 8"
+    flags = [*flags.split(), "--eval-every", "1"]
+
+    def rows(d):
+        return _strip(map(json.loads, open(tmp_path / d / "metrics.jsonl")))
+
+    solo = train.main([*flags, "--seed", "3", "--out", str(tmp_path / "solo")])
+    seeds = train.main([*flags, "--compare", "--seeds", "3", "--out", str(tmp_path / "seeds")])
+    seed = train.main([*flags, "--compare", "--seed", "3", "--out", str(tmp_path / "seed")])
+    assert len(rows("solo")) == 2 and rows("solo")[1]["drift"] > 0
+    assert rows("seeds/uncentered_seed3") == rows("solo") and seeds["uncentered_seed3"] == solo
+    assert rows("seed/uncentered") == rows("solo") and seed["uncentered"] == solo
+
+
+def test_a_reward_constant_within_each_prompts_group_never_moves_the_policy(tmp_path, monkeypatch):
+    """--baseline group: each reward minus the mean of its prompt's G rollouts. A reward that is the
+    same for a prompt's G rollouts, and differs between prompts, gives every row advantage 0: the
+    weights never move and the drift meter reads exactly 0 at every evaluation. P = 3 prompts of
+    G = 4 rollouts, row i of prompt i // G: a mean over groups of P rows would mix prompts."""
+    real, seen = tasks.TINY["sequence"], []
+
+    def constant_per_prompt(*a):  # the sequence task, its reward replaced
+        def reward(tokens, mask, golds):  # a gold is its prompt: k / 1024, exact group means
+            seen.append(np.array([gold[0] / 1024 for gold in golds], np.float32))
+            return seen[-1]
+
+        return real(*a)._replace(reward=reward)
+
+    monkeypatch.setitem(tasks.TINY, "sequence", constant_per_prompt)
+    flags = "--task sequence --steps 2 --prompts 3 --group 4 --max-tokens 6 --eval-n 8 --probe-n 8"
+    train.main([*flags.split(), "--eval-every", "1", "--lr", "0.4", "--out", str(tmp_path / "o")])
+    batches = [r.reshape(3, 4) for r in seen if len(r) == 12]  # the training batches, not evals
+    assert len(batches) == 2 and all(len(set(r[:, 0])) == 3 for r in batches)  # prompts differ
+    assert all((r == r[:, :1]).all() for r in batches)  # a prompt's G rollouts: the same reward
+    rows = [json.loads(x) for x in open(tmp_path / "o" / "metrics.jsonl")]
+    assert [r["drift"] for r in rows] == [0.0] * 3, rows
+    assert [r["grad_norm"] for r in rows[:2]] == [0.0] * 2, rows
+
+
+def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(
+    tmp_path, monkeypatch
+):
+    def flags(lr="1e-3"):
+        # int8, noise, a stale sampler: the rows depend on the random and the saved state
+        return [
+            "--task",
+            "sequence",
+            "--steps",
+            "4",
+            "--save-every",
+            "2",
+            "--staleness",
+            "2",
+            "--optimizer",
+            "adam",
+            "--lr",
+            lr,
+            "--center",
+            "--prompts",
+            "2",
+            "--group",
+            "4",
+            "--max-tokens",
+            "6",
+            "--probe-n",
+            "8",
+            "--eval-every",
+            "1",
+            "--eval-n",
+            "8",
+            "--mis",
+            "0.2,5",
+        ]
+
+    straight = train.main(flags() + ["--out", str(tmp_path / "a"), "--save", str(tmp_path / "a_w")])
+
+    class Killed(Exception):
+        pass
+
+    real = harness.save_state
+
+    def save_then_die(*a):  # the state of step 2 is written, then the process dies
+        real(*a)
+        raise Killed
+
+    monkeypatch.setattr(harness, "save_state", save_then_die)
+    with pytest.raises(Killed):
+        train.main(flags() + ["--out", str(tmp_path / "b")])
+    monkeypatch.setattr(harness, "save_state", real)
+    with open(
+        tmp_path / "b" / "metrics.jsonl", "a"
+    ) as f:  # a row logged after the state, and one cut short
+        f.write(json.dumps({"step": 2, "reward": -1.0}) + '\n{"step": 3, "rew')
+    with pytest.raises(SystemExit):
+        train.main(flags("2e-3") + ["--resume", str(tmp_path / "b")])  # other flags: refused
+    # its own flags
+    resumed = train.main(["--resume", str(tmp_path / "b"), "--save", str(tmp_path / "b_w")])
+    assert resumed == straight and straight["drift"]["4"] > 0
+    assert not os.path.exists(tmp_path / "b" / "state.npz")  # a finished run frees its state
+    rows = [[json.loads(x) for x in open(tmp_path / d / "metrics.jsonl")] for d in ("a", "b")]
+    assert _strip(rows[0]) == _strip(rows[1]) and [r["step"] for r in rows[1]] == [0, 1, 2, 3, 4]
+    a, b = (jax.tree.leaves(hf_checkpoint.load(str(tmp_path / d)).weights) for d in ("a_w", "b_w"))
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b, strict=True))
+
+
+def test_a_write_that_dies_midway_leaves_the_old_file_whole(tmp_path):
+    """harness.atomic: a write that raises after writing part of the new content leaves the file
+    as it was (not the part, not empty); one that finishes replaces it whole."""
+    file = str(tmp_path / "summary.json")
+    harness.atomic(file, lambda f: f.write('{"step": 1}'))
+    assert open(file).read() == '{"step": 1}'
+
+    class Killed(Exception):
+        pass
+
+    def dies_midway(f):
+        f.write('{"step": 2, "dri')
+        f.flush()
+        raise Killed
+
+    with pytest.raises(Killed):
+        harness.atomic(file, dies_midway)
+    assert open(file).read() == '{"step": 1}'
+    harness.atomic(file, lambda f: f.write(b'{"step": 3}'), "wb")
+    assert open(file).read() == '{"step": 3}'
+
+
+def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        *tiny_argv(gsm, "--steps", "100000", "--out", str(out)),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",  # programs this process compiled, reused
+            JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        ),
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not (
+        os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= 3
+    ):
+        time.sleep(0.2)
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    text, _ = proc.communicate(timeout=60)
+    assert time.time() - t0 < 10 and proc.returncode == 130, text
+    assert "interrupted at step" in text and "Traceback" not in text, text
+    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]  # every line is whole
+    assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) >= 3
+
+
+def test_staleness_refreshes_the_sampler_every_s_plus_1_steps(gsm, monkeypatch):
+    calls, real = [], train.sampler_weights
+
+    def spy(w, kind, *a, **kw):
+        calls.append(kind)
+        return real(w, kind, *a, **kw)
+
+    monkeypatch.setattr(train, "sampler_weights", spy)
+    sampler = ["--sampler", "fp8", "--kv-quant", "int8"]  # the end-to-end test's sampler and cache
+    train.main(tiny_argv(gsm, "--steps", "5", "--eval-every", "5", *sampler, "--staleness", "1"))
+    assert calls.count("fp8") == 3, calls  # steps 0, 2, 4
+
+
+@pytest.mark.parametrize(
+    "drops, finals, expected",
+    [
+        (([0.10, 0.08], [0.01, 0.00]), ([0.40, 0.42], [0.41, 0.42]), "centring VALIDATED"),
+        (
+            ([0.10, 0.08], [0.05, 0.03]),
+            ([0.40, 0.42], [0.41, 0.42]),
+            "centring NOT validated",
+        ),  # drop 4 > 2
+        (
+            ([0.10, 0.08], [0.01, 0.00]),
+            ([0.40, 0.42], [0.38, 0.40]),
+            "centring NOT validated",
+        ),  # final 2 lower
+        (
+            ([0.03, 0.02], [0.01, 0.01]),
+            ([0.40, 0.42], [0.41, 0.42]),
+            "WITHIN SEED NOISE",
+        ),  # 1.5 points apart
+    ],
+)
+def test_verdict(drops, finals, expected):
+    arms = ("uncentered", "centered")
+    runs = [
+        {arm: dict(drop=drops[i][s], final_acc=finals[i][s]) for i, arm in enumerate(arms)}
+        for s in range(2)
+    ]
+    assert compare.verdict(runs).startswith(f"verdict: {expected}")
+
+
+@pytest.mark.parametrize(
+    "drop_u, drop_c, expected",
+    [
+        ((0.01, 0.01), (0.04, 0.04), "centring NOT validated"),  # centred 3 points worse
+        ((0.00, 0.02), (0.02, 0.06), "centring NOT validated"),  # the same in the seeds' means
+        ((0.01, 0.01), (0.30, 0.30), "centring NOT validated"),  # centred 29 points worse
+        ((0.01, 0.01), (0.039, 0.039), "WITHIN SEED NOISE"),  # 2.9 points worse
+        ((0.08, 0.08), (0.05, 0.05), "centring NOT validated"),  # 3 better, but a drop of 5 > 2
+        ((0.08, 0.08), (0.051, 0.051), "WITHIN SEED NOISE"),  # 2.9 better
+    ],
+)
+def test_verdict_calls_drops_3_points_apart_noise_on_neither_side(drop_u, drop_c, expected):
+    """Seed noise is drops less than 3 points apart, whichever arm drops more: 3 points apart
+    (in the means over the seeds) is a difference, for the centred arm or against it."""
+    runs = [
+        dict(uncentered=dict(drop=u, final_acc=0.4), centered=dict(drop=c, final_acc=0.4))
+        for u, c in zip(drop_u, drop_c, strict=True)
+    ]
+    assert compare.verdict(runs).startswith(f"verdict: {expected}")
+
+
+def test_a_diverging_run_stops_with_finite_weights_and_strict_json(tmp_path, capsys):
+    """At --lr 1e38 the weights blow up within a few steps: the step whose loss, gradient or
+    weights are not finite is skipped, the run stops there and says to lower --lr, every file is
+    strict JSON, and --save writes finite weights."""
+    argv = "--task sequence --steps 6 --lr 1e38 --eval-n 8 --probe-n 8 --eval-every 2".split()
+    argv += ["--save-every", "1"]
+    out, saved = tmp_path / "o", tmp_path / "w"
+    summary = train.main(argv + ["--out", str(out), "--save", str(saved)])
+    printed = capsys.readouterr().out
+    stopped = re.search(r"step (\d+): the loss, a gradient or a weight is not finite", printed)
+    assert stopped and "try a lower --lr (now 1e+38)" in printed, printed[-500:]
+    step = int(stopped.group(1))
+    assert step < 6 and summary["stopped"].startswith(f"step {step}:")
+    assert _strict_json((out / "summary.json").read_text())["stopped"] == summary["stopped"]
+    rows = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(step + 1))  # nothing after the stop
+    assert any(v is None for v in rows[-1].values())  # the non-finite metric, as null
+    assert str(step) in _strict_json((out / "summary.json").read_text())["drift"]
+    assert not (out / "state.npz").exists()
+    weights = jax.tree.leaves(hf_checkpoint.load(str(saved)).weights)
+    assert weights and all(bool(np.isfinite(np.asarray(x)).all()) for x in weights)
+
+
+def test_compare_report_credits_the_arm_that_was_centred(capsys):
+    """Arms that differ clearly: the uncentred runs drop 20 points, the centred ones none. The mean
+    rows and the verdict must say so (and would not with the pairs the other way round)."""
+    args = harness.parse_args("--task sequence --compare --seeds 0,1".split())
+
+    def summary(peak, final):
+        curves = dict(eval_acc={"0": peak, "10": final}, drift={"0": 0.0, "10": 1.0})
+        scores = dict(peak_acc=peak, final_acc=final, drop=peak - final, final_drift=1.0)
+        return curves | scores | dict(mean_kl_q_p=0.5)
+
+    res = {}
+    for seed in (0, 1):
+        res[f"uncentered_seed{seed}"] = summary(0.6, 0.4)
+        res[f"centered_seed{seed}"] = summary(0.6, 0.6)
+    out = compare.report(args, tasks.SEQUENCE, res)
+    printed = capsys.readouterr().out
+    assert out["verdict"].startswith("verdict: centring VALIDATED")
+    assert re.search(r"mean uncentered\s+0\.600\s+0\.400\s+0\.200", printed), printed
+    assert re.search(r"mean centered\s+0\.600\s+0\.600\s+0\.000", printed), printed

