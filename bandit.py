@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import score_centering as sc
 
 V = 16  # arms
-B = 256  # rollouts a step: 32 groups of 8 (a bandit has one prompt)
-GROUP = 8  # the rollouts of one prompt: --baseline group subtracts their mean
+B = 256  # rollouts a step, all of the bandit's one prompt: 32 groups of GROUP
+GROUP = 8  # --baseline group subtracts the mean of each group of 8 rows
 
 
 def bandit(center, staleness, steps=200, lr=0.5, noise=0.5, baseline="none", seed=0, tis_cap=None):
@@ -75,7 +75,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="of the toy and of the rollouts")
     p.add_argument("--plot", metavar="FILE", help="draw drift against steps into FILE (a PNG)")
     args = p.parse_args(argv)
-    cap = 1.0 if args.tis_cap is None else args.tis_cap  # inf: untruncated IS
+    cap = 1.0 if args.tis_cap is None else args.tis_cap  # None (no IS) passes; inf: untruncated
     if not (args.steps >= 1 and 0 < args.lr < jnp.inf and 0 <= args.noise < jnp.inf and cap > 0):
         p.error("--steps >= 1, --lr finite > 0, --noise finite >= 0, --tis-cap > 0 (or omit it)")
     if args.plot:  # before the runs: matplotlib (optional; no pyplot), a format it has, a folder
@@ -83,8 +83,8 @@ def main(argv=None):
             from matplotlib.figure import Figure
         except ImportError:
             p.error("--plot needs matplotlib: pip install matplotlib")
-        kinds, folder = Figure().canvas.get_supported_filetypes(), os.path.dirname(args.plot)
-        if args.plot.rpartition(".")[2] not in kinds or not os.access(folder or ".", os.W_OK):
+        kind, folder = args.plot.rpartition(".")[2].lower(), os.path.dirname(args.plot) or "."
+        if kind not in Figure().canvas.get_supported_filetypes() or not os.path.isdir(folder):
             p.error(f"--plot {args.plot}: name a .png, .pdf or .svg file in a writable folder")
 
     # run the four

@@ -13,9 +13,9 @@ def rms_norm(x, w, eps):  # in float32, back to x's dtype before the weight (as 
     return x32.astype(x.dtype) * jnp.broadcast_to(w.astype(x.dtype), x.shape)
 
 
-def rope(x, pos, theta):  # rotate-half RoPE at the real positions; x [B, T, N, H], pos [B, T]
+def rope(x, pos, base):  # rotate-half RoPE at the real positions; x [B, T, N, H], pos [B, T]
     half = x.shape[-1] // 2
-    angle = jnp.einsum("bt,h->bth", pos.astype(jnp.float32), 1 / theta ** (jnp.arange(half) / half))
+    angle = jnp.einsum("bt,h->bth", pos.astype(jnp.float32), 1 / base ** (jnp.arange(half) / half))
     cos = jnp.cos(angle)[:, :, None, :].astype(x.dtype)
     sin = jnp.sin(angle)[:, :, None, :].astype(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
@@ -51,7 +51,7 @@ def forward(
     weight matmul is mm(spec, activation, weight)."""
     eps, H = cfg["rms_norm_eps"], cfg["head_dim"]
     # rope_theta: at the top of config.json, or in rope_parameters (recent transformers)
-    theta = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
+    base = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
     if kv is None:
         kpos = pos
     else:
@@ -68,8 +68,8 @@ def forward(
         lw = jax.tree.map(lambda a: a.astype(dtype), lw)
         # attention: q and k get their own RMSNorm, before RoPE (QK-norm)
         h = rms_norm(x, lw["attn_norm"], eps)
-        q = rope(rms_norm(mm("btd,dnh->btnh", h, lw["q"]), lw["q_norm"], eps), pos, theta)
-        k = rope(rms_norm(mm("btd,dkh->btkh", h, lw["k"]), lw["k_norm"], eps), pos, theta)
+        q = rope(rms_norm(mm("btd,dnh->btnh", h, lw["q"]), lw["q_norm"], eps), pos, base)
+        k = rope(rms_norm(mm("btd,dkh->btkh", h, lw["k"]), lw["k_norm"], eps), pos, base)
         v = mm("btd,dkh->btkh", h, lw["v"])
         # KV cache: write this call's keys and values, then attend over the whole cache
         if kv is not None:
@@ -79,7 +79,7 @@ def forward(
             k, v = kv["k"][i].astype(dtype), kv["v"][i].astype(dtype)
         q = q.reshape(*q.shape[:2], k.shape[2], -1, H)  # [B, T, K, R, H]: R query heads per kv head
         s = jnp.einsum("btkrh,bskh->bkrts", q, k, preferred_element_type=jnp.float32) * H**-0.5
-        s = jnp.where(mask[:, None, None], s, -1e30)  # finite: a padding query sees no key, no NaN
+        s = jnp.where(mask[:, None, None], s, -1e30)  # finite: a padding query averages, no NaN
         probs = jax.nn.softmax(s, axis=-1).astype(dtype)  # [B, K, R, T, S]
         o = jnp.einsum("bkrts,bskh->btkrh", probs, v)  # [B, T, K, R, H]
         x = x + mm("btnh,nhd->btd", o.reshape(*o.shape[:2], -1, H), lw["o"])

@@ -39,7 +39,7 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_v sg(m_v) log p(v)].
 #    One f gives the weight, m and step 10's α; `loss` takes log f of log r. Truncated IS (TIS):
 #    f(r) = min(r, C), m = min(p, C q). Masked IS (MIS; miles' `mis`, verl's IcePop):
-#    f(r) = r · 1[lo ≤ r ≤ hi], m = p · 1[band]: a token outside the band drops out of both terms.
+#    f(r) = r · 1[lo ≤ r ≤ hi], m = p · 1[band]: an entry v outside the band leaves both terms.
 #    Untruncated IS, f(r) = r (the band [0, ∞)), gives m = p and the term vanishes by step 2:
 #    full IS is drift-free already, at the price of its variance.
 # 10. Top-k: q over a 151k vocabulary at every token is too big to keep, so the sampler records

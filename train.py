@@ -5,8 +5,8 @@
     python train.py --task sequence --compare      # what drift costs, on a CPU: under a minute
 
 What it is: REINFORCE with a group-mean baseline, whose rollouts come from a copy of the policy that
-runs with other numerics (bf16 / int8 / fp8 weights and KV cache, fixed weight noise, staleness),
-trained with `score_centering.loss`. How it differs from textbook GRPO, and why:
+runs with other numerics (bf16 / int8 / fp8 weights, int8 / int4 / fp8 KV cache, fixed weight noise,
+staleness), trained with `score_centering.loss`. How it differs from textbook GRPO, and why:
 - no KL penalty to a reference model: it would pull toward the start and hide the drift under study;
 - no PPO ratio clipping: one optimizer step per batch, so the only off-policyness is the sampler's;
 - a token-mean loss over the whole batch, not a mean of per-sequence means (score_centering.py, 8);

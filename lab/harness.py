@@ -63,9 +63,8 @@ def declare(p, defaults=True):  # defaults=False: none, to see which flags were 
     a("--compare", "centring off, then on, from the same start; one table", **switch)
     a("--seeds", "with --compare: the seeds to run, e.g. 0,1", type=csv(int))
     a("--workers", "with --compare: runs at once, threads sharing the compiled programs", type=int)
-    sweep_help = "--compare at each mismatch: σ (bf16, noise σ) or int8, fp8, each +kv_KIND or not"
     levels_help = ", ".join(f"{t} {s}" for t, s in tasks.SWEEP_LEVELS.items())
-    a("--sweep", f"{sweep_help}; tiny tasks: 8 seeds, 150 steps, --topk 0 ({levels_help})", **sweep)
+    a("--sweep", f"--compare at each mismatch: σ, int8, fp8, +kv_KIND ({levels_help})", **sweep)
     a("--model", "Hugging Face repo id or local checkpoint directory", default=QWEN3_06B)
     a("--data-dir", "folder with GSM8K train.jsonl and test.jsonl (default: download once, cached)")
     a("--seed", "seed of the data order, the sampler's noise and the rollouts", type=int, default=0)
@@ -150,8 +149,7 @@ CHECKS = [  # (a test of the flags a: what is wrong, if anything; what to say, f
         lambda a: (
             not all(0 <= noise < math.inf and kv in (None, *KV) for _, noise, kv in a.sweep or [])
         ),
-        "--sweep levels are weight noises >= 0, int8 or fp8, each +kv_int8, +kv_int4 or +kv_fp8 "
-        "or not, got {a.sweep}",
+        "--sweep levels: noise >= 0, int8, fp8; each +kv_int8, int4, fp8 or not: {a.sweep}",
     ),
     (
         lambda a: a.sweep and {"sampler", "weight_noise", "kv_quant"} & a.given,
@@ -186,10 +184,14 @@ CHECKS = [  # (a test of the flags a: what is wrong, if anything; what to say, f
         "--plot needs matplotlib: pip install matplotlib",
     ),
     (
+        lambda a: a.plot and os.path.splitext(a.plot)[1].lower() not in (".png", ".pdf", ".svg"),
+        "--plot {a.plot} must name a .png, .pdf or .svg file",
+    ),
+    (
         lambda a: (
             a.plot and (os.path.isdir(a.plot) or not writable(os.path.join(a.plot, os.pardir)))
         ),
-        "--plot {a.plot} must be a PNG file name in a writable folder",
+        "--plot {a.plot} must be a file name in a writable folder",
     ),
     (
         lambda a: (
@@ -324,8 +326,12 @@ def atomic(file, write, mode="w"):  # write(f) to a temporary name, then rename:
     if jax.process_index():  # process 0 writes
         return
     with LOCK:
-        with open(file + ".tmp", mode) as f:
-            write(f)
+        try:
+            with open(file + ".tmp", mode) as f:
+                write(f)
+        except BaseException:  # a write that failed leaves no half file behind
+            os.remove(file + ".tmp")
+            raise
         os.replace(file + ".tmp", file)
 
 

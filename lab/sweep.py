@@ -280,13 +280,15 @@ def report(args, results, seconds):  # results {level: {run: summary}}: tables, 
     steps_tables(rows)
     kl_table(results)
 
-    # the figures: the map, and against steps next to it
+    # summary.json, then the figures: the map, and against steps next to it
+    summary = {level: rows[level] | dict(runs=res) for level, res in results.items()}
+    summary = harness.write_summary(args.out, dict(levels=summary, seconds=seconds))
     if args.plot and not jax.process_index():
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
         from matplotlib import colormaps
 
         colours = colormaps["viridis"](np.linspace(0, 0.9, len(results)))
         plot_map(args.plot, rows, results, colours)
         root, ext = os.path.splitext(args.plot)
         plot_steps(root + "_steps" + ext, rows, colours)
-    summary = {level: rows[level] | dict(runs=res) for level, res in results.items()}
-    return harness.write_summary(args.out, dict(levels=summary, seconds=seconds))
+    return summary

@@ -21,7 +21,7 @@ def test_relative_paths_to_new_folders_are_accepted(tmp_path, monkeypatch):
     assert (args.out, args.save) == ("runs/a", "ckpt/b") and not os.path.exists("runs")
 
 
-def test_resume_accepts_its_own_folder_as_out_however_spelled(tmp_path, monkeypatch, capsys):
+def test_resume_accepts_its_own_folder_as_out_however_spelled(tmp_path, monkeypatch):
     """--out naming the --resume folder is the same folder with a trailing slash, a ./ or an
     absolute path: accepted, and the run goes on in that folder."""
     monkeypatch.chdir(tmp_path)

@@ -157,25 +157,6 @@ def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, cap
     assert summary["verdict"] in lines
 
 
-def test_compare_runs_each_seed_as_that_seed_alone(tmp_path):
-    """A seed inside --compare is the run of that seed alone (its own p_0, keys, data order and
-    noise): --compare --seeds 3 and --compare --seed 3 each run seed 3 as --seed 3 does, row for
-    row and in its summary (the uncentred arm), not on seed 0's model (the default --seed) or as
-    seed 0."""
-    flags = "--task sequence --steps 1 --prompts 2 --group 4 --max-tokens 6 --eval-n 8 --probe-n 8"
-    flags = [*flags.split(), "--eval-every", "1"]
-
-    def rows(d):
-        return _strip(map(json.loads, open(tmp_path / d / "metrics.jsonl")))
-
-    solo = train.main([*flags, "--seed", "3", "--out", str(tmp_path / "solo")])
-    seeds = train.main([*flags, "--compare", "--seeds", "3", "--out", str(tmp_path / "seeds")])
-    seed = train.main([*flags, "--compare", "--seed", "3", "--out", str(tmp_path / "seed")])
-    assert len(rows("solo")) == 2 and rows("solo")[1]["drift"] > 0
-    assert rows("seeds/uncentered_seed3") == rows("solo") and seeds["uncentered_seed3"] == solo
-    assert rows("seed/uncentered") == rows("solo") and seed["uncentered"] == solo
-
-
 def test_a_reward_constant_within_each_prompts_group_never_moves_the_policy(tmp_path, monkeypatch):
     """--baseline group: each reward minus the mean of its prompt's G rollouts. A reward that is the
     same for a prompt's G rollouts, and differs between prompts, gives every row advantage 0: the
@@ -287,6 +268,25 @@ def test_a_write_that_dies_midway_leaves_the_old_file_whole(tmp_path):
     assert open(file).read() == '{"step": 1}'
     harness.atomic(file, lambda f: f.write(b'{"step": 3}'), "wb")
     assert open(file).read() == '{"step": 3}'
+
+
+def test_compare_runs_each_seed_as_that_seed_alone(tmp_path):
+    """A seed inside --compare is the run of that seed alone (its own p_0, keys, data order and
+    noise): --compare --seeds 3 and --compare --seed 3 each run seed 3 as --seed 3 does, row for
+    row and in its summary (the uncentred arm), not on seed 0's model (the default --seed) or as
+    seed 0."""
+    flags = "--task sequence --steps 1 --prompts 2 --group 4 --max-tokens 6 --eval-n 8 --probe-n 8"
+    flags = [*flags.split(), "--eval-every", "1"]
+
+    def rows(d):
+        return _strip(map(json.loads, open(tmp_path / d / "metrics.jsonl")))
+
+    solo = train.main([*flags, "--seed", "3", "--out", str(tmp_path / "solo")])
+    seeds = train.main([*flags, "--compare", "--seeds", "3", "--out", str(tmp_path / "seeds")])
+    seed = train.main([*flags, "--compare", "--seed", "3", "--out", str(tmp_path / "seed")])
+    assert len(rows("solo")) == 2 and rows("solo")[1]["drift"] > 0
+    assert rows("seeds/uncentered_seed3") == rows("solo") and seeds["uncentered_seed3"] == solo
+    assert rows("seed/uncentered") == rows("solo") and seed["uncentered"] == solo
 
 
 def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
