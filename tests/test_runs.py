@@ -160,8 +160,8 @@ def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, cap
 def test_a_reward_constant_within_each_prompts_group_never_moves_the_policy(tmp_path, monkeypatch):
     """--baseline group: each reward minus the mean of its prompt's G rollouts. A reward that is the
     same for a prompt's G rollouts, and differs between prompts, gives every row advantage 0: the
-    weights never move and the drift meter reads exactly 0 at every evaluation. P = 3 prompts of
-    G = 4 rollouts, row i of prompt i // G: a mean over groups of P rows would mix prompts."""
+    weights never move and the drift meter reads exactly 0 at every evaluation. P = 4 prompts of
+    G = 2 rollouts, row i of prompt i // G: a mean over groups of P rows would mix prompts."""
     real, seen = tasks.TINY["sequence"], []
 
     def constant_per_prompt(*a):  # the sequence task, its reward replaced
@@ -172,10 +172,10 @@ def test_a_reward_constant_within_each_prompts_group_never_moves_the_policy(tmp_
         return real(*a)._replace(reward=reward)
 
     monkeypatch.setitem(tasks.TINY, "sequence", constant_per_prompt)
-    flags = "--task sequence --steps 2 --prompts 3 --group 4 --max-tokens 6 --eval-n 8 --probe-n 8"
+    flags = "--task sequence --steps 2 --prompts 4 --group 2 --max-tokens 6 --eval-n 16 --probe-n 8"
     train.main([*flags.split(), "--eval-every", "1", "--lr", "0.4", "--out", str(tmp_path / "o")])
-    batches = [r.reshape(3, 4) for r in seen if len(r) == 12]  # the training batches, not evals
-    assert len(batches) == 2 and all(len(set(r[:, 0])) == 3 for r in batches)  # prompts differ
+    batches = [r.reshape(4, 2) for r in seen if len(r) == 8]  # the training batches, not evals
+    assert len(batches) == 2 and all(len(set(r[:, 0])) == 4 for r in batches)  # prompts differ
     assert all((r == r[:, :1]).all() for r in batches)  # a prompt's G rollouts: the same reward
     rows = [json.loads(x) for x in open(tmp_path / "o" / "metrics.jsonl")]
     assert [r["drift"] for r in rows] == [0.0] * 3, rows
@@ -270,23 +270,26 @@ def test_a_write_that_dies_midway_leaves_the_old_file_whole(tmp_path):
     assert open(file).read() == '{"step": 3}'
 
 
-def test_compare_runs_each_seed_as_that_seed_alone(tmp_path):
-    """A seed inside --compare is the run of that seed alone (its own p_0, keys, data order and
-    noise): --compare --seeds 3 and --compare --seed 3 each run seed 3 as --seed 3 does, row for
-    row and in its summary (the uncentred arm), not on seed 0's model (the default --seed) or as
-    seed 0."""
-    flags = "--task sequence --steps 1 --prompts 2 --group 4 --max-tokens 6 --eval-n 8 --probe-n 8"
-    flags = [*flags.split(), "--eval-every", "1"]
+def test_compare_runs_each_seed_as_that_seed_alone():
+    """A seed inside --compare is that seed's run: --compare --seeds 1,3 gives each seed's two arms
+    that seed and that seed's own p_0 (not the model of --seed 0), and --compare --seed 3 runs seed
+    3, not seed 0 (that a run given a seed is the seed's solo run: the tests above)."""
+    hist = dict(last=1, acc={"0": 0.5, "1": 0.5}, drift={"0": 0.0, "1": 0.1}, kl_q_p=[0.01])
+    seen = []
 
-    def rows(d):
-        return _strip(map(json.loads, open(tmp_path / d / "metrics.jsonl")))
+    def run(args, task, fn, center, seed, out, prefix=""):  # train.run's signature
+        seen.append((seed, center, task.weights))
+        return harness.finish(None, hist | dict(reward=[0.5]))
 
-    solo = train.main([*flags, "--seed", "3", "--out", str(tmp_path / "solo")])
-    seeds = train.main([*flags, "--compare", "--seeds", "3", "--out", str(tmp_path / "seeds")])
-    seed = train.main([*flags, "--compare", "--seed", "3", "--out", str(tmp_path / "seed")])
-    assert len(rows("solo")) == 2 and rows("solo")[1]["drift"] > 0
-    assert rows("seeds/uncentered_seed3") == rows("solo") and seeds["uncentered_seed3"] == solo
-    assert rows("seed/uncentered") == rows("solo") and seed["uncentered"] == solo
+    flags = "--task sequence --compare --steps 1 --eval-n 8 --probe-n 8".split()
+    for extra, seeds in ((["--seeds", "1,3"], [1, 3]), (["--seed", "3"], [3])):
+        seen.clear()
+        args = harness.parse_args([*flags, *extra])
+        compare.compare(args, tasks.load(args), None, run)
+        assert [(s, c) for s, c, _ in seen] == [(s, c) for s in seeds for c in (False, True)]
+        for seed, _, weights in seen:  # that seed's own p_0
+            own = tasks.sequence_task(seed, 8, 8).weights
+            np.testing.assert_array_equal(weights["embed"], own["embed"])
 
 
 def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
