@@ -176,10 +176,15 @@ def shown(r):  # a level's row as the table prints it
     )
 
 
+def evenly(items, n):  # n of the items, evenly spaced, the first and the last among them
+    return [
+        items[i] for i in np.linspace(0, len(items) - 1, min(n, len(items))).round().astype(int)
+    ]
+
+
 def steps_tables(rows, n=6):  # the gain and the ratio at n evenly spaced evaluation steps
     steps = sorted({s for r in rows.values() for s in r["steps"]["step"]})
-    picked = np.linspace(0, len(steps) - 1, min(n, len(steps))).round().astype(int)
-    steps = [steps[i] for i in picked]
+    steps = evenly(steps, n)
     for name, f in (("gain", "{:+.1f}"), ("ratio", "{:.2f}")):
         cells = {}
         for level, r in rows.items():
@@ -190,7 +195,7 @@ def steps_tables(rows, n=6):  # the gain and the ratio at n evenly spaced evalua
         harness.table(f"{name} [95%] at step", cells, {str(step): "{:>21}" for step in steps})
 
 
-def kl_table(results):  # each arm's kl_q_p between evaluations, the mean of the seeds
+def kl_table(results, n=8):  # each arm's kl_q_p between evaluations (n of them), the seeds' mean
     cells = {}
     for level, res in results.items():
         for arm, runs in zip(("u", "c"), zip(*by_seed(res), strict=True), strict=True):
@@ -199,6 +204,7 @@ def kl_table(results):  # each arm's kl_q_p between evaluations, the mean of the
                 s: np.mean([run["kl_q_p"][s] for run in runs]) for s in steps
             }
     columns = sorted({s for row in cells.values() for s in row}, key=int)
+    columns = evenly(columns, n)
     cells = {k: {s: row.get(s, math.nan) for s in columns} for k, row in cells.items()}
     harness.table("kl_q_p to step", cells, dict.fromkeys(columns, "{:9.2e}"))
 

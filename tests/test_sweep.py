@@ -291,3 +291,22 @@ def test_short_sweep_has_every_level_and_seed_and_the_mismatch_sets_the_arms_apa
         ]
 
     assert max(apart("bf16")) < min(apart("bf16_noise0.1")), (apart("bf16"), apart("bf16_noise0.1"))
+
+
+def test_kl_table_shows_eight_windows_evenly_spaced_with_the_first_and_the_last(capsys):
+    """A 2,000-step run evaluated every 50 has 40 windows: the table prints 8 of them, steps 50 to
+    2000 evenly, each the seeds' mean of that window (seed s: step / 1e4 + s / 100, centred 0.05 more)."""
+    level = _level([[0.5] * 41] * 2, [[0.5] * 41] * 2, [[1.0] * 41] * 2, [[1.0] * 41] * 2)
+    for name, run in level.items():
+        seed = int(name[-1])
+        run["kl_q_p"] = {
+            s: int(s) / 1e4 + seed / 100 + name.startswith("c") / 20 for s in run["kl_q_p"]
+        }
+    sweep.kl_table({"int8": level})
+    out = capsys.readouterr().out.splitlines()
+    head = next(line for line in out if line.startswith("kl_q_p to step")).split()[3:]
+    assert head == ["50", "350", "600", "900", "1150", "1450", "1700", "2000"]
+    u = next(line for line in out if line.startswith("int8 u ")).split()[2:]
+    assert [float(x) for x in u] == pytest.approx([int(s) / 1e4 + 0.005 for s in head], rel=5e-3)
+    c = next(line for line in out if line.startswith("int8 c ")).split()[2:]
+    assert [float(x) for x in c] == pytest.approx([int(s) / 1e4 + 0.055 for s in head], rel=5e-3)
