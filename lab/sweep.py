@@ -259,9 +259,7 @@ def plot_steps(file, rows, colours):  # the gain and the drift ratio against ste
             ax.fill_between(s["step"], s[name + "_lo"], s[name + "_hi"], color=colour, alpha=0.2)
         ax.axhline(base, color="grey", lw=0.5)
     axes[0].set(xlabel="step", ylabel="gain from centring (points, 95%)")
-    axes[1].set(xlabel="step", ylabel="drift uncentred / centred (95%)", yscale="log")
-    axes[1].yaxis.set_major_formatter("{x:g}")  # 1, 2, 3 on the log axis, not 10^0, 2×10^0
-    axes[1].yaxis.set_minor_formatter("{x:g}")
+    axes[1].set(xlabel="step", ylabel="drift uncentred / centred (95%)")  # linear: ticks within 1-2
     axes[0].legend(fontsize=7, frameon=False)
     with harness.LOCK:
         fig.savefig(file)
