@@ -295,7 +295,8 @@ def test_short_sweep_has_every_level_and_seed_and_the_mismatch_sets_the_arms_apa
 
 def test_kl_table_shows_eight_windows_evenly_spaced_with_the_first_and_the_last(capsys):
     """A 2,000-step run evaluated every 50 has 40 windows: the table prints 8 of them, steps 50 to
-    2000 evenly, each the seeds' mean of that window (seed s: step / 1e4 + s / 100, centred 0.05 more)."""
+    2000 evenly, each the seeds' mean of that window (seed s: step / 1e4 + s / 100, centred +0.05).
+    """
     level = _level([[0.5] * 41] * 2, [[0.5] * 41] * 2, [[1.0] * 41] * 2, [[1.0] * 41] * 2)
     for name, run in level.items():
         seed = int(name[-1])
