@@ -299,6 +299,9 @@ def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
         os.path.join(ROOT, "train.py"),
         *tiny_argv(gsm, "--steps", "100000", "--out", str(out)),
     ]
+    # a terminal's Ctrl-C: a child of a job started in the background (nohup ... &) inherits
+    # SIGINT ignored, and would never see the signal this test sends
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -311,6 +314,7 @@ def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         ),
     )
+    signal.signal(signal.SIGINT, previous)
     deadline = time.time() + 600  # a loaded machine can take minutes to import and compile
 
     def started():
@@ -326,7 +330,11 @@ def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
         pytest.fail(f"no 3 steps within 600 s: {proc.communicate()[0][-2000:]}")
     t0 = time.time()
     proc.send_signal(signal.SIGINT)
-    text, _ = proc.communicate(timeout=60)
+    try:
+        text, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"still running 60 s after Ctrl-C: {proc.communicate()[0][-2000:]}")
     assert time.time() - t0 < 10 and proc.returncode == 130, text
     assert "interrupted at step" in text and "Traceback" not in text, text
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]  # every line is whole
