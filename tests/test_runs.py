@@ -302,26 +302,26 @@ def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
     # a terminal's Ctrl-C: a child of a job started in the background (nohup ... &) inherits
     # SIGINT ignored, and would never see the signal this test sends
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=dict(
-            os.environ,
-            JAX_PLATFORMS="cpu",  # programs this process compiled, reused
-            JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
-            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        ),
-    )
-    signal.signal(signal.SIGINT, previous)
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(
+                os.environ,
+                JAX_PLATFORMS="cpu",  # programs this process compiled, reused
+                JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            ),
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.time() + 600  # a loaded machine can take minutes to import and compile
 
     def started():
-        return (
-            os.path.exists(out / "metrics.jsonl")
-            and len(open(out / "metrics.jsonl").readlines()) >= 3
-        )
+        metrics = out / "metrics.jsonl"
+        return metrics.exists() and metrics.read_text().count("\n") >= 3
 
     while time.time() < deadline and proc.poll() is None and not started():
         time.sleep(0.2)
