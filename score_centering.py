@@ -22,8 +22,8 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    it away). The second term is the signal.
 # 5. Drift accumulates. After each step the sampler is rebuilt from the new trainer weights and
 #    comes out biased the same way again (same quantiser, same noise): the trainer chases a target
-#    that moves with it, without bound. A frozen sampler is a fixed target that drift moves p
-#    toward (or, by step 4's sign, away from), and no further.
+#    that moves with it, without bound. A frozen sampler is a fixed target: drift pulls p to it
+#    and no further (pushed away from it, by step 4's sign, p has no such bound).
 # 6. A group-mean baseline (GRPO) makes the group's mean advantage zero, not E_q[A | h] at every
 #    prefix of every sequence, so drift survives it in sequences. (In a one-step bandit, whose
 #    group shares its one prefix, the group's advantages sum to 0 there: drift vanishes exactly.)
