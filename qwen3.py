@@ -1,4 +1,5 @@
-"""Qwen3 (dense) in pure JAX, the model only: a dict of weights and pure functions.
+"""Qwen3 (dense) in pure JAX, the model only: a dict of weights and pure functions. Llama is Qwen3
+without QK-norm: its checkpoints have no q_norm and k_norm weights, and forward skips them.
 B batch rows, T query length, S key/KV-cache length, D model width, F MLP hidden, H head dimension,
 N query heads, K key/value heads, R query heads per key/value head (N = K·R), L layers, V vocab.
 Every layer weight is stacked along a leading L axis, and the layers run with lax.scan."""
@@ -66,11 +67,12 @@ def forward(
     def layer(carry, xs):
         (x, kv), (lw, i) = carry, xs
         lw = jax.tree.map(lambda a: a.astype(dtype), lw)
-        # attention: q and k get their own RMSNorm, before RoPE (QK-norm)
+        # attention: Qwen3 gives q and k their own RMSNorm, before RoPE (QK-norm); Llama does not
         h = rms_norm(x, lw["attn_norm"], eps)
-        q = rope(rms_norm(mm("btd,dnh->btnh", h, lw["q"]), lw["q_norm"], eps), pos, base)
-        k = rope(rms_norm(mm("btd,dkh->btkh", h, lw["k"]), lw["k_norm"], eps), pos, base)
-        v = mm("btd,dkh->btkh", h, lw["v"])
+        q, k = mm("btd,dnh->btnh", h, lw["q"]), mm("btd,dkh->btkh", h, lw["k"])
+        if "q_norm" in lw:
+            q, k = rms_norm(q, lw["q_norm"], eps), rms_norm(k, lw["k_norm"], eps)
+        q, k, v = rope(q, pos, base), rope(k, pos, base), mm("btd,dkh->btkh", h, lw["v"])
         # KV cache: write this call's keys and values, then attend over the whole cache
         if kv is not None:
             if kv_quant:  # as a quantised cache stores them
@@ -120,6 +122,8 @@ def layout(cfg):
         up=("mlp.up_proj", (F, D), (D, F)),
         down=("mlp.down_proj", (D, F), (F, D)),
     )
+    if cfg["model_type"] == "llama":  # no QK-norm
+        del layers["q_norm"], layers["k_norm"]
     return top, {
         ours: ("model.layers.{}." + hf + ".weight", *s) for ours, (hf, *s) in layers.items()
     }

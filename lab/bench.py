@@ -245,8 +245,8 @@ def parse_args(argv=None):  # the flags and the model's config; a mistake: one l
         p.error(f"--out {args.out} exists: name a new file")
     cfg = tasks.SEQUENCE if args.tiny else QWEN3_06B
     try:
-        cfg = hf_checkpoint.read_json(args.config) if args.config else cfg
-        hf_checkpoint.check_config(cfg, args.config)
+        if args.config:
+            cfg = hf_checkpoint.check_config(hf_checkpoint.read_json(args.config), args.config)
     except (ValueError, OSError) as e:
         p.error(f"--config: {e}")
     return args, dict(cfg)

@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints for qwen3.py: config.json checks, safetensors read with numpy (one file
-or sharded) and written in bfloat16, the hub fetch, and the tokenizer through tiktoken.
+"""Hugging Face checkpoints for qwen3.py (Qwen3, and Llama): config.json checks, safetensors read
+with numpy (one file or sharded) and written, the hub fetch; the tokenizer is lab/tokenizer.py.
 L layers (a layer weight is stacked along a leading L axis, as qwen3.forward takes it), V vocab."""
 
 import collections
@@ -9,33 +9,22 @@ import math
 import os
 import re
 import shutil
-import unicodedata
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import tiktoken
 
 import qwen3
+from lab.tokenizer import load_tokenizer, read_json
 
 Model = collections.namedtuple("Model", "cfg weights tokenizer path")  # tokenizer: None if no files
-Tokenizer = collections.namedtuple("Tokenizer", "encode decode chat eos_ids pad_id")
 DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32}  # the ones we read
 SAVED_BY = {"format": "pt", "saved_by": "score-centering"}  # save()'s mark, in __metadata__
 
 
 # ---- config.json and safetensors headers
-def read_json(file, default=None):  # default: what a missing file reads as (None: it must exist)
-    if default is not None and not os.path.exists(file):
-        return default
-    try:
-        return json.loads(Path(file).read_bytes())
-    except ValueError as e:  # truncated, hand-edited or not utf-8
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
-
-
 def read_header(file):
     """A safetensors file's tensors, {name: (file, dtype, shape, first byte, end byte, file size)},
     and its __metadata__. The file: 8 bytes of header length n, n bytes of JSON, the tensors."""
@@ -63,8 +52,8 @@ UNSUPPORTED = [
     "num_local_experts",
     "moe_intermediate_size",
     "attention_bias",
+    "mlp_bias",
     "use_sliding_window",
-    "rope_scaling",
 ]
 REQUIRED = [
     "vocab_size",
@@ -80,16 +69,27 @@ REQUIRED = [
 
 
 def check_config(cfg, file):
-    """Refuses all but dense Qwen3. Recent transformers put rope_theta in rope_parameters."""
-    c = {"rope_type": "default", **(cfg.get("rope_parameters") or {}), **cfg}
-    bad = [k for k, ok in (("model_type", "qwen3"), ("rope_type", "default")) if c.get(k) != ok]
-    bad += [k for k in UNSUPPORTED if c.get(k)]
-    errors = [f"{k} = {c.get(k)!r}" for k in bad]
+    """cfg, checked: dense Qwen3 or Llama, no biases, plain RoPE (recent transformers put
+    rope_theta and its type in rope_parameters, older ones the type in rope_scaling); a Llama
+    config without head_dim gets D / N, as transformers reads it."""
+    if cfg.get("model_type") == "llama" and "head_dim" not in cfg and "hidden_size" in cfg:
+        cfg = dict(cfg, head_dim=cfg["hidden_size"] // cfg.get("num_attention_heads", 1))
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    c = {**rope, **cfg, "rope_type": rope.get("rope_type", rope.get("type", "default"))}
+    errors = [f"{k} = {c[k]!r}" for k in UNSUPPORTED if c.get(k)]
+    if c.get("model_type") not in ("qwen3", "llama"):
+        errors.append(f"model_type = {c.get('model_type')!r}")
+    if c["rope_type"] != "default":  # Llama 3.1 and 3.2's 'llama3' among them
+        errors.append(f"rope_type = {c['rope_type']!r}: RoPE scaling is not implemented")
+    if c.get("hidden_act", "silu") != "silu":
+        errors.append(f"hidden_act = {c['hidden_act']!r}")
     errors += [f"{k} is missing" for k in REQUIRED if k not in c]
     if errors:
         raise ValueError(
-            f"{file}: {'; '.join(errors)}: only dense Qwen3 (model_type 'qwen3') is supported"
+            f"{file}: {'; '.join(errors)}: only dense Qwen3 and Llama checkpoints (model_type "
+            "'qwen3' or 'llama') without biases or RoPE scaling are supported"
         )
+    return cfg
 
 
 def fetch(repo, files):
@@ -118,67 +118,7 @@ def config(path, files=("config.json",)):
         fetched = fetch(path, ["config.json"])
         check_config(read_json(f"{fetched}/config.json"), f"{path}/config.json")
         path = fetch(path, list(files))
-    cfg = read_json(f"{path}/config.json")
-    check_config(cfg, f"{path}/config.json")
-    return cfg, path
-
-
-# ---- the tokenizer: byte-level BPE, through tiktoken
-# Qwen3's chat template for one user turn, thinking off
-CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-# the pre-tokenizer's split regex of Qwen2 and Qwen3, unless tokenizer.json gives one
-QWEN2_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-    r"\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def gpt2_bytes():  # GPT-2's bytes_to_unicode, {character: byte}: vocab.json spells bytes this way
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # their own character
-    others = [b for b in range(256) if b not in printable]  # the characters 256, 257, ...
-    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
-
-
-def load_tokenizer(path, cfg):
-    """The tokenizer of a checkpoint directory, or None if it has none: byte-level BPE from
-    vocab.json (or tokenizer.json), whose ranks are the ids."""
-    tokenizer_json = read_json(f"{path}/tokenizer.json", {})
-    tokenizer_config = read_json(f"{path}/tokenizer_config.json", {})
-    generation_config = read_json(f"{path}/generation_config.json", {})
-    vocab = read_json(f"{path}/vocab.json", {}) or tokenizer_json.get("model", {}).get("vocab")
-    if not vocab:
-        return None
-    added = tokenizer_config.get("added_tokens_decoder", {})
-    special = {t["content"]: int(i) for i, t in added.items()}
-    special |= {t["content"]: t["id"] for t in tokenizer_json.get("added_tokens", [])}
-    pre = tokenizer_json.get("pre_tokenizer") or {}
-    splits = [p for p in pre.get("pretokenizers", [pre]) if p.get("type") == "Split"]
-    byte = gpt2_bytes()
-    enc = tiktoken.Encoding(
-        "qwen3",
-        pat_str=splits[0]["pattern"]["Regex"] if splits else QWEN2_PATTERN,
-        special_tokens=special,
-        mergeable_ranks={bytes(byte[c] for c in s): i for s, i in vocab.items()},
-    )
-    eos_token = special.get(str(tokenizer_config.get("eos_token")))
-    eos = {**cfg, **generation_config}.get("eos_token_id", eos_token)
-    if eos is None:
-        raise ValueError(
-            f"{path}: no eos_token_id in generation_config.json or config.json: add one"
-        )
-    eos = tuple(eos) if isinstance(eos, list) else (eos,)
-    known = {*vocab.values(), *special.values()}  # ids with a token: Qwen3 has 151,669 of 151,936
-
-    def encode(text):  # NFC, as Qwen's normaliser
-        return enc.encode(unicodedata.normalize("NFC", text), allowed_special="all")
-
-    def decode(ids):  # skips the ids without a token (a sampler may return any id < V)
-        return enc.decode([i for i in map(int, ids) if i in known])
-
-    def chat(text):
-        return encode(CHAT.format(text))
-
-    return Tokenizer(encode, decode, chat, eos, special.get("<|endoftext|>", eos[0]))
+    return check_config(read_json(f"{path}/config.json"), f"{path}/config.json"), path
 
 
 # ---- loading: every header is checked before any tensor is read
@@ -267,6 +207,18 @@ def check_save_dir(out_dir):
         )
 
 
+def safetensors(arrays, dtype, metadata):  # {name: array} -> a file's bytes, each in dtype
+    header, data = {"__metadata__": metadata}, bytearray()
+    for name, a in arrays.items():
+        a = np.asarray(a, DTYPES[dtype])
+        header[name] = dict(
+            dtype=dtype, shape=a.shape, data_offsets=[len(data), len(data) + a.nbytes]
+        )
+        data += a.tobytes()
+    head = json.dumps(header).encode()
+    return len(head).to_bytes(8, "little") + head + data
+
+
 def write_whole(file, data):  # written beside it, then renamed: a crash leaves the old file whole
     partial = Path(file.parent, "save.partial")
     partial.write_bytes(data)
@@ -282,15 +234,9 @@ def save(out_dir, cfg, weights, tokenizer_dir=None):
     for k, (hf, hf_shape, _) in layers.items():
         for i in range(cfg["num_hidden_layers"]):
             arrays[hf.format(i)] = weights["layers"][k][i].reshape(hf_shape[::-1]).T  # [out, in]
-    header, data = {"__metadata__": SAVED_BY}, bytearray()
-    for name, a in arrays.items():
-        offsets = [len(data), len(data) + 2 * a.size]
-        header[name] = dict(dtype="BF16", shape=a.shape, data_offsets=offsets)
-        data += np.asarray(a, ml_dtypes.bfloat16).tobytes()
-    head = json.dumps(header).encode()
     os.makedirs(out_dir, exist_ok=True)
     # model.safetensors first: alone, it still marks the folder as ours
-    write_whole(Path(out_dir, "model.safetensors"), len(head).to_bytes(8, "little") + head + data)
+    write_whole(Path(out_dir, "model.safetensors"), safetensors(arrays, "BF16", SAVED_BY))
     write_whole(Path(out_dir, "config.json"), json.dumps(cfg, indent=2).encode())
     for f in os.listdir(tokenizer_dir) if tokenizer_dir else []:
         checkpoint_file = f in ("config.json", "model.safetensors.index.json")

@@ -75,7 +75,7 @@ SWEEP_LEVELS = dict(
 )
 
 # -------------------------------------------------------------------------------------------------
-# GSM8K: grade-school maths in Qwen3's chat markup, rewarded 1 when the last number is the answer
+# GSM8K: grade-school maths in the checkpoint's chat template, rewarded 1 when the last number is the answer
 
 INSTRUCTION = (
     "\nSolve the problem step by step, then give the final answer as a number on the last line."
@@ -96,7 +96,7 @@ def reward(completion, gold):  # 1 when the completion's last number is the gold
 
 
 def gsm8k_task(model, data_dir, eval_n, probe_n, place=None):
-    """GSM8K in Qwen3's chat markup; the first eval_n test problems are held out, the first probe_n
+    """GSM8K in the checkpoint's chat template; the first eval_n test problems are held out, the first probe_n
     are the probe. place(shapes): the weights' shardings, read straight from the checkpoint."""
     train_set = read_gsm8k(data_dir, "train")
     test_set = read_gsm8k(data_dir, "test")
@@ -104,6 +104,11 @@ def gsm8k_task(model, data_dir, eval_n, probe_n, place=None):
     tok = ckpt.tokenizer
     if tok is None:
         raise ValueError(f"{model} has no tokenizer files (vocab.json or tokenizer.json)")
+    if tok.chat is None:
+        raise ValueError(
+            f"{model} has no chat template (chat_template.jinja, or tokenizer_config.json's "
+            "chat_template): add the checkpoint's own"
+        )
 
     def chat(problems):
         return [(tok.chat(question + INSTRUCTION), gold) for question, gold in problems]

