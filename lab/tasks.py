@@ -75,7 +75,8 @@ SWEEP_LEVELS = dict(
 )
 
 # -------------------------------------------------------------------------------------------------
-# GSM8K: grade-school maths in the checkpoint's chat template, rewarded 1 when the last number is the answer
+# GSM8K: grade-school maths in the checkpoint's chat template, rewarded 1 when the last number
+# is the answer
 
 INSTRUCTION = (
     "\nSolve the problem step by step, then give the final answer as a number on the last line."
@@ -96,8 +97,9 @@ def reward(completion, gold):  # 1 when the completion's last number is the gold
 
 
 def gsm8k_task(model, data_dir, eval_n, probe_n, place=None):
-    """GSM8K in the checkpoint's chat template; the first eval_n test problems are held out, the first probe_n
-    are the probe. place(shapes): the weights' shardings, read straight from the checkpoint."""
+    """GSM8K in the checkpoint's chat template; the first eval_n test problems are held out, the
+    first probe_n are the probe. place(shapes): the weights' shardings, read straight from the
+    checkpoint."""
     train_set = read_gsm8k(data_dir, "train")
     test_set = read_gsm8k(data_dir, "test")
     ckpt = hf_checkpoint.load(model, place=place)
