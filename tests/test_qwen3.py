@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import qwen3
-from helpers import arange_pos, write_tiny_checkpoint
+from helpers import LLAMA, arange_pos, write_tiny_checkpoint
 from lab import hf_checkpoint
 
 
@@ -20,16 +20,18 @@ def left_padded(prompts, T):
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_logits_match_transformers(tmp_path, tie):
+@pytest.mark.parametrize("arch", [{}, LLAMA], ids=["qwen3", "llama"])
+def test_logits_match_transformers(tmp_path, tie, arch):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    path = write_tiny_checkpoint(str(tmp_path), tie=tie)
+    path = write_tiny_checkpoint(str(tmp_path), tie=tie, **arch)
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
     )
     tokens = np.random.default_rng(1).integers(0, 300, (2, 12))
     with torch.no_grad():
         expected = ref(torch.tensor(tokens)).logits.numpy()
+    assert type(ref).__name__ == ("LlamaForCausalLM" if arch else "Qwen3ForCausalLM")
     m = hf_checkpoint.load(path)
     logits, kv = qwen3.forward(m.cfg, m.weights, jnp.array(tokens), arange_pos(2, 12))
     assert kv is None and logits.dtype == jnp.float32 and logits.shape == (2, 12, 300)

@@ -1,4 +1,4 @@
-"""lab/tokenizer.py: the byte-level BPE tokenizer: the tiny one against transformers, Qwen3's against
+"""lab/tokenizer.py, byte-level BPE: the tiny tokenizer against transformers, Qwen3's against
 the tokenizers library, its chat template and Qwen's own tiktoken ranks (skipped when those files
 are not installed)."""
 
