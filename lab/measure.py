@@ -1,0 +1,262 @@
+"""What a real model shows (docs/real_model.md): each sampler kind's mismatch on its own text, one
+step's drift term against its signal, its greedy GSM8K accuracy.
+
+    python -m lab.measure mismatch --model smollm2 --data-dir ../shared/gsm8k
+    python -m lab.measure drift --model smollm2        # on the arithmetic problems below
+    python -m lab.measure drift --task chain           # the chain task's tiny model, its levels
+    python -m lab.measure accuracy --model smollm2 --data-dir ../shared/gsm8k --n 500
+
+Each result is a JSON line in OUT/WHAT.jsonl, written as it is made; a rerun skips the results
+already there and prints the table of all of them.
+"""
+
+import argparse
+import json
+import os
+import random
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import score_centering as sc
+import train
+from lab import harness, rollouts, tasks
+
+MISMATCH_LEVELS = "0,int8,fp8,0+kv_fp8,0+kv_int8,0+kv_int4,int8+kv_int4,fp8+kv_fp8,0.01,0.02"
+DRIFT_LEVELS = "0,int8,fp8+kv_fp8,int8+kv_int4,0.02"  # the chain sweep's levels (tasks.py)
+
+# Problems of GSM8K's shape (a story, one or two operations, a whole-number answer) easy enough
+# that a 135M-parameter model solves some of them some of the time: groups of mixed reward
+STORIES = (
+    (
+        "{a} has {x} apples and buys {y} more. How many apples does {a} have now?",
+        lambda x, y, z: x + y,
+    ),
+    (
+        "{a} had {x} stickers and gave {y} of them to a friend. How many stickers are left?",
+        lambda x, y, z: x - y,
+    ),
+    ("A box holds {x} pencils. How many pencils are in {y} boxes?", lambda x, y, z: x * y),
+    (
+        "{a} reads {x} pages a day for {y} days. How many pages does {a} read?",
+        lambda x, y, z: x * y,
+    ),
+    (
+        "{a} has {x} coins and finds {y} more, then spends {z}. How many are left?",
+        lambda x, y, z: x + y - z,
+    ),
+    (
+        "A class has {x} girls and {y} boys. How many children are in the class?",
+        lambda x, y, z: x + y,
+    ),
+)
+NAMES = ("Tom", "Anna", "Ravi", "Mei", "Lucas", "Sara")
+
+
+def arithmetic(n, seed):  # n (question, gold) pairs, x > y + z so that no answer is negative
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        story, formula = rng.choice(STORIES)
+        x, y, z = rng.randint(10, 40), rng.randint(2, 9), rng.randint(1, 9)
+        text = story.format(a=rng.choice(NAMES), x=x, y=y, z=z)
+        out.append((text, str(formula(x, y, z))))
+    return out
+
+
+def results(file):  # {key: result} of the lines already written
+    if not os.path.exists(file):
+        return {}
+    with open(file) as f:
+        return {r["key"]: r for r in map(json.loads, f)}
+
+
+def append(file, result):  # one line, flushed: a stopped run loses nothing it has measured
+    with open(file, "a") as f:
+        f.write(json.dumps(result) + "\n")
+
+
+def level_numerics(level):  # harness.levels' (kind, σ, kv) -> make_sampler's numerics
+    kind, _, kv = level
+    return dict(mm=train.quant_mm(kind), kv_quant=train.kv_quant(kv))
+
+
+def trainer_logp(cfg, w, rec, rows):  # the float32 trainer's log p [B, M] of the sampled tokens
+    logp = jax.jit(lambda w, b: train.token_logp(cfg, w, b))
+    keep = ("prompt", "pos", "tokens")
+    calls = [
+        np.asarray(logp(w, {k: rec[k][i : i + rows] for k in keep}))
+        for i in range(0, len(rec["tokens"]), rows)
+    ]
+    return np.concatenate(calls)
+
+
+def mismatch(args, task, level, seed):
+    """kl_q_p = token mean of log q − log p on q's own samples, mean |log p − log q|, and the
+    mass of q's top 128 tokens, over args.rows GSM8K test prompts of up to max_tokens."""
+    kind, sigma, _ = level
+    key = jax.random.key(seed)
+    sampler = train.make_sampler(task.cfg, args.max_tokens, 128, task.eos, level_numerics(level))
+    w_q = train.sampler_weights(task.weights, kind, sigma, jax.random.fold_in(key, 1))
+    prompts = [p for p, _ in task.test[: args.rows]]
+    rec = rollouts.generate(sampler, w_q, prompts, task.pad, key, args.data, args.rows)
+    logp, mask = trainer_logp(task.cfg, task.weights, rec, args.micro_batch), rec["mask"]
+    diff = (rec["logq"] - logp)[mask]
+    head = np.asarray(jax.scipy.special.logsumexp(rec["head_logq"], -1))[mask]
+    return dict(
+        kl_q_p=float(diff.mean()),
+        abs_diff=float(np.abs(diff).mean()),
+        head_mass=float(np.exp(head).mean()),
+        tokens=int(mask.sum()),
+        rows=len(prompts),
+    )
+
+
+def gradients(cfg, w, b, rows):
+    """The uncentred and the centred (exact: b["head_logq"] is the full log q) gradients of the
+    token-sum loss, summed over calls of `rows` rows; one forward a call, two backward passes."""
+
+    @jax.jit
+    def both(w, b):
+        fwd = lambda w: train.completion_logits(cfg, w, b["prompt"], b["pos"], b["tokens"])  # noqa: E731
+        logits, vjp = jax.vjp(fwd, w)
+        args = b["tokens"], b["mask"], b["adv"], b["logq"], b["head_logq"]
+
+        def dlogits(center):
+            loss = lambda lg: sc.loss(lg, *args, center=center)[0] * b["mask"].sum()  # noqa: E731
+            return jax.grad(loss)(logits)
+
+        return vjp(dlogits(False))[0], vjp(dlogits(True))[0]
+
+    keep = ("prompt", "pos", "tokens", "mask", "adv", "logq", "head_logq")
+    total = None
+    for i in range(0, len(b["tokens"]), rows):
+        g = both(w, {k: b[k][i : i + rows] for k in keep})
+        total = g if total is None else jax.tree.map(jnp.add, total, g)
+    return [jnp.concatenate([x.ravel() for x in jax.tree.leaves(t)]) for t in total]
+
+
+def drift(args, task, level, seed):
+    """One step's drift term against its signal: g_u − g_c = Σ adv · E_q[∇ log p]
+    (score_centering.py, step 7), over a batch of args.prompts prompts × args.group rollouts."""
+    kind, sigma, _ = level
+    key = jax.random.key(seed)
+    sampler = train.make_sampler(task.cfg, args.max_tokens, 0, task.eos, level_numerics(level))
+    w_q = train.sampler_weights(task.weights, kind, sigma, jax.random.fold_in(key, 1))
+    rng = np.random.default_rng(seed)
+    problems = [task.train[i] for i in rng.choice(len(task.train), args.prompts, replace=False)]
+    problems = [p for p in problems for _ in range(args.group)]
+    prompts, golds = [p for p, _ in problems], [g for _, g in problems]
+    rec = rollouts.generate(sampler, w_q, prompts, task.pad, key, args.data, len(prompts))
+    rewards = np.asarray(task.reward(rec["tokens"], rec["mask"], golds), np.float32)
+    adv = np.asarray(train.advantage(jnp.asarray(rewards), args.group, "group"))
+    g_u, g_c = gradients(task.cfg, task.weights, rec | dict(adv=adv), args.micro_batch)
+    norm_c, norm_d = float(jnp.linalg.norm(g_c)), float(jnp.linalg.norm(g_u - g_c))
+    mixed = rewards.reshape(-1, args.group).std(-1) > 0
+    return dict(
+        drift_over_signal=norm_d / norm_c if norm_c else None,
+        cos=float(g_u @ g_c / (jnp.linalg.norm(g_u) * norm_c)) if norm_c else None,
+        norm_c=norm_c,
+        norm_drift=norm_d,
+        reward=float(rewards.mean()),
+        mixed_groups=int(mixed.sum()),
+        tokens=int(rec["mask"].sum()),
+        kl_q_p=float(
+            (rec["logq"] - trainer_logp(task.cfg, task.weights, rec, args.micro_batch))[
+                rec["mask"]
+            ].mean()
+        ),
+    )
+
+
+def accuracy(args, task, level, seed):  # greedy (clean bf16) on the first args.n test problems
+    sampler = train.make_sampler(task.cfg, args.max_tokens, 1, task.eos, greedy=True)
+    w_q = train.sampler_weights(task.weights, "bf16")
+    test = task.test[: args.n]
+    rec = rollouts.generate(
+        sampler, w_q, [p for p, _ in test], task.pad, jax.random.key(seed), args.data, args.rows
+    )
+    right = task.reward(rec["tokens"], rec["mask"], [g for _, g in test])
+    ended = np.isin(rec["tokens"], task.eos).any(-1)
+    return dict(accuracy=float(np.mean(right)), n=len(test), ended=float(ended.mean()))
+
+
+MEASURES = dict(mismatch=mismatch, drift=drift, accuracy=accuracy)
+COLUMNS = dict(
+    mismatch=("kl_q_p", "abs_diff", "head_mass", "tokens"),
+    drift=("drift_over_signal", "cos", "kl_q_p", "reward", "mixed_groups", "tokens"),
+    accuracy=("accuracy", "n", "ended"),
+)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(prog="python -m lab.measure", description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=MEASURES)
+    p.add_argument("--task", choices=["gsm8k", "chain"], default="gsm8k")
+    p.add_argument("--model", help="a checkpoint folder (gsm8k)")
+    p.add_argument("--data-dir", help="GSM8K's jsonl folder (mismatch, accuracy)")
+    p.add_argument("--levels", help="harness.levels' spelling (default: per measure)")
+    p.add_argument("--seeds", type=harness.csv(int), default=(0, 1))
+    p.add_argument("--rows", type=int, default=64, help="sampler rows a call (mismatch: in all)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--prompts", type=int, default=2, help="drift: prompts a batch")
+    p.add_argument("--group", type=int, default=8, help="drift: rollouts a prompt")
+    p.add_argument("--micro-batch", type=int, default=4, help="trainer rows a call")
+    p.add_argument("--n", type=int, default=500, help="accuracy: the first N test problems")
+    p.add_argument("--out", default="runs/measure")
+    args = p.parse_args(argv)
+    if args.task == "gsm8k" and not args.model:
+        p.error("--model is required on gsm8k (a checkpoint folder: python -m lab.gguf FILE OUT)")
+    if args.task == "chain" and args.what != "drift":
+        p.error(f"{args.what} measures GSM8K text: --task chain takes drift only")
+    if args.what != "drift" and not args.data_dir:
+        p.error(f"{args.what} reads GSM8K's test split: give --data-dir")
+    default = dict(mismatch=MISMATCH_LEVELS, drift=DRIFT_LEVELS, accuracy="0")[args.what]
+    args.levels = args.levels or default
+    return args
+
+
+def write_arithmetic(folder, n=1000):  # the stories as GSM8K's jsonl: the same reader, reward
+    os.makedirs(folder, exist_ok=True)
+    for split, seed in (("train", 0), ("test", 1)):
+        with open(f"{folder}/{split}.jsonl", "w") as f:
+            for question, gold in arithmetic(n, seed):
+                f.write(json.dumps(dict(question=question, answer=f"#### {gold}")) + "\n")
+    return folder
+
+
+def load_task(args):  # one line for a bad checkpoint or data folder, as train.py's
+    if args.task == "chain":
+        return tasks.chain_task(0, 0, 0)
+    data_dir = args.data_dir
+    if args.what == "drift":  # groups of mixed reward: problems the model solves part of the time
+        data_dir = write_arithmetic(f"{args.out}/arithmetic")
+    try:
+        return tasks.gsm8k_task(args.model, data_dir, max(args.rows, args.n), 0)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def main(argv=None):
+    args = parse(argv)
+    task = load_task(args)
+    args.data = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
+    os.makedirs(args.out, exist_ok=True)
+    file = f"{args.out}/{args.what}-{args.task}.jsonl"
+    done = results(file)
+    for text, level in zip(args.levels.split(","), harness.levels(args.levels), strict=True):
+        for seed in args.seeds:
+            key = f"{text}/{seed}"
+            if key not in done:
+                start = time.time()
+                r = MEASURES[args.what](args, task, level, seed)
+                done[key] = dict(key=key, level=text, seed=seed, **r, s=time.time() - start)
+                append(file, done[key])
+            print(json.dumps(done[key]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
