@@ -226,7 +226,7 @@ def parse_args(argv=None):  # the flags and the model's config; a mistake: one l
     # the model: Qwen3-0.6B's shape unless told otherwise
     model = p.add_mutually_exclusive_group()
     model.add_argument("--tiny", action="store_true", help="the sequence task's model")
-    model.add_argument("--config", help="a Hugging Face config.json: that Qwen3's shape")
+    model.add_argument("--config", help="a Hugging Face config.json: that Qwen3's or Llama's shape")
     # the work
     p.add_argument("--batch", default="1,4", help="sampler rows B, comma-separated (default 1,4)")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens T0 (default 16)")

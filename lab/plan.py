@@ -69,7 +69,8 @@ def plan(args, cfg, fn, shardings, lora_init, T0=256):
     rows["peak in the train step"] = rows["sampler weights"] + stepping + t.temp_size_in_bytes
     lora = f", LoRA {args.lora}" if args.lora else ""
     shape = f"{B} rollouts x ({T0} + {M} tokens), micro-batch {args.micro_batch}"
-    print(f"--plan: {L}-layer Qwen3, {shape}, {args.optimizer}{lora}, {mesh.size} devices")
+    name = dict(qwen3="Qwen3", llama="Llama")[cfg["model_type"]]
+    print(f"--plan: {L}-layer {name}, {shape}, {args.optimizer}{lora}, {mesh.size} devices")
     harness.table(
         "per device", {k: dict(MiB=v / 2**20) for k, v in rows.items()}, dict(MiB="{:10,.1f}")
     )

@@ -11,7 +11,7 @@ import pytest
 
 import train
 from helpers import LLAMA, tiny_argv, write_gsm8k, write_tiny_checkpoint
-from lab import hf_checkpoint
+from lab import bench, hf_checkpoint
 
 
 def test_tiny_llama_runs_grpo_and_saves_a_llama(tmp_path):
@@ -87,3 +87,19 @@ def test_a_checkpoint_without_a_chat_template_is_refused_before_training(tmp_pat
     with pytest.raises(SystemExit, match="has no chat template"):
         train.main([*tiny_argv((path, write_gsm8k(tmp_path / "g"))), "--out", str(tmp_path / "r")])
     assert not os.path.exists(tmp_path / "r" / "metrics.jsonl")
+
+
+def test_bench_takes_a_llama_config_and_builds_it_without_qk_norm(tmp_path, llama_cfg, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(llama_cfg))
+    args, cfg = bench.parse_args(["--config", str(tmp_path / "config.json")])
+    w = bench.random_weights(cfg, jax.random.PRNGKey(0), train.INPUT_AXES)
+    L, D, N, H = (
+        cfg[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim")
+    )
+    assert set(w["layers"]) == {"attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down"}
+    assert w["layers"]["q"].shape == (L, D, N, H)
+    (tmp_path / "bad.json").write_text(json.dumps(llama_cfg | dict(mlp_bias=True)))
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--config", str(tmp_path / "bad.json")])
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert "--config: " in error and "mlp_bias = True" in error

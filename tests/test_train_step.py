@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import qwen3
 import train
-from helpers import STOP, _prompts, _strip, arange_pos, write_tiny_checkpoint
+from helpers import LLAMA, STOP, _prompts, _strip, arange_pos, write_tiny_checkpoint
 from lab import devices, harness, hf_checkpoint, plan, rollouts, tasks
 
 # the project root, where train.py is (run as a script by the multi-process tests)
@@ -99,11 +99,15 @@ def test_one_device_and_four_devices_give_the_same_step(tiny, lora, monkeypatch)
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=4e-6, err_msg=layout)
 
 
-def test_plan_prints_the_bytes_per_device_from_config_json_alone(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("model_type, name", [("qwen3", "Qwen3"), ("llama", "Llama")])
+def test_plan_prints_the_bytes_per_device_from_config_json_alone(
+    model_type, name, tmp_path, monkeypatch, capsys
+):
     """--plan on 4 devices from a folder with config.json only: the weights are split 4 ways
-    (matrices) or whole (vectors), Adam holds two of them, and XLA's train step takes exactly them
-    plus a quarter batch."""
-    cfg = json.load(open(write_tiny_checkpoint(str(tmp_path / "tiny")) + "/config.json"))
+    (matrices) or whole (vectors: a Llama has no QK-norm), Adam holds two of them, and XLA's train
+    step takes exactly them plus a quarter batch."""
+    kind = LLAMA if model_type == "llama" else {}
+    cfg = json.load(open(write_tiny_checkpoint(str(tmp_path / "tiny"), **kind) + "/config.json"))
     json.dump(cfg, open(tmp_path / "config.json", "w"))  # the folder holds no weights, no tokenizer
     monkeypatch.setattr(hf_checkpoint, "load", None)  # and no weight is read
     D, F, V, L, N, K, H = (
@@ -121,7 +125,7 @@ def test_plan_prints_the_bytes_per_device_from_config_json_alone(tmp_path, monke
     matrices = V * D * (1 if cfg["tie_word_embeddings"] else 2) + L * (
         2 * N * H * D + 2 * K * H * D + 3 * D * F
     )
-    vectors = D + L * (2 * D + 2 * H)
+    vectors = D + L * (2 * D + (2 * H if model_type == "qwen3" else 0))
     B, T0, M, k = 8, inspect.signature(plan.plan).parameters["T0"].default, 4, 8
     for lora in (None, 2):
         rows = train.main(
@@ -142,7 +146,7 @@ def test_plan_prints_the_bytes_per_device_from_config_json_alone(tmp_path, monke
             ]
             + ["--lora", str(lora)] * bool(lora)
         )
-        assert "--plan: 2-layer Qwen3" in capsys.readouterr().out
+        assert f"--plan: 2-layer {name}" in capsys.readouterr().out
         assert rows["weights"] == 4 * (matrices // 4 + vectors)
         # Σ (in + out) x r
         adapters = 4 * L * lora * (7 * D + 2 * N * H + 2 * K * H + 3 * F) if lora else 0
