@@ -2,12 +2,12 @@
 step's drift term against its signal, its greedy GSM8K accuracy.
 
     python -m lab.measure mismatch --model smollm2 --data-dir ../shared/gsm8k
-    python -m lab.measure drift --model smollm2        # on the arithmetic problems below
+    python -m lab.measure drift --model smollm2 --max-tokens 128  # on the arithmetic below
     python -m lab.measure drift --task chain           # the chain task's tiny model, its levels
     python -m lab.measure accuracy --model smollm2 --data-dir ../shared/gsm8k --n 500
 
 Each result is a JSON line in OUT/WHAT.jsonl, written as it is made; a rerun skips the results
-already there and prints the table of all of them.
+already there; each is printed as a JSON line.
 """
 
 import argparse
@@ -28,42 +28,21 @@ from lab import harness, rollouts, tasks
 MISMATCH_LEVELS = "0,int8,fp8,0+kv_fp8,0+kv_int8,0+kv_int4,int8+kv_int4,fp8+kv_fp8,0.01,0.02"
 DRIFT_LEVELS = "0,int8,fp8+kv_fp8,int8+kv_int4,0.02"  # the chain sweep's levels (tasks.py)
 
-# Problems of GSM8K's shape (a story, one or two operations, a whole-number answer) easy enough
-# that a 135M-parameter model solves some of them some of the time: groups of mixed reward
-STORIES = (
-    (
-        "{a} has {x} apples and buys {y} more. How many apples does {a} have now?",
-        lambda x, y, z: x + y,
-    ),
-    (
-        "{a} had {x} stickers and gave {y} of them to a friend. How many stickers are left?",
-        lambda x, y, z: x - y,
-    ),
-    ("A box holds {x} pencils. How many pencils are in {y} boxes?", lambda x, y, z: x * y),
-    (
-        "{a} reads {x} pages a day for {y} days. How many pages does {a} read?",
-        lambda x, y, z: x * y,
-    ),
-    (
-        "{a} has {x} coins and finds {y} more, then spends {z}. How many are left?",
-        lambda x, y, z: x + y - z,
-    ),
-    (
-        "A class has {x} girls and {y} boys. How many children are in the class?",
-        lambda x, y, z: x + y,
-    ),
+# Problems of GSM8K's kind (a question, arithmetic, a whole-number answer read as the completion's
+# last number) easy enough that this 135M-parameter model, sampled at temperature 1, answers them
+# right 10-25% of the time: groups of 8 mostly of mixed reward. Its GSM8K score is near 0.
+PROBLEMS = (
+    ("What is {x} + {y}?", lambda x, y: x + y),
+    ("What is {x} times {y}?", lambda x, y: x * y),
 )
-NAMES = ("Tom", "Anna", "Ravi", "Mei", "Lucas", "Sara")
 
 
-def arithmetic(n, seed):  # n (question, gold) pairs, x > y + z so that no answer is negative
+def arithmetic(n, seed):  # n (question, gold) pairs
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        story, formula = rng.choice(STORIES)
-        x, y, z = rng.randint(10, 40), rng.randint(2, 9), rng.randint(1, 9)
-        text = story.format(a=rng.choice(NAMES), x=x, y=y, z=z)
-        out.append((text, str(formula(x, y, z))))
+        (question, formula), x, y = rng.choice(PROBLEMS), rng.randint(5, 9), rng.randint(1, 4)
+        out.append((question.format(x=x, y=y), str(formula(x, y))))
     return out
 
 
@@ -202,7 +181,7 @@ def parse(argv=None):
     p.add_argument("--seeds", type=harness.csv(int), default=(0, 1))
     p.add_argument("--rows", type=int, default=64, help="sampler rows a call (mismatch: in all)")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--prompts", type=int, default=2, help="drift: prompts a batch")
+    p.add_argument("--prompts", type=int, default=4, help="drift: prompts a batch")
     p.add_argument("--group", type=int, default=8, help="drift: rollouts a prompt")
     p.add_argument("--micro-batch", type=int, default=4, help="trainer rows a call")
     p.add_argument("--n", type=int, default=500, help="accuracy: the first N test problems")
