@@ -20,10 +20,9 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    The first term is drift: it carries no reward information, vanishes only when q = p, and
 #    follows the sign of the prefix's mean advantage (positive pulls p toward q, negative pushes
 #    it away). The second term is the signal.
-# 5. Drift accumulates. After each step the sampler is rebuilt from the new trainer weights and
-#    comes out biased the same way again (same quantiser, same noise): the trainer chases a target
-#    that moves with it, without bound. A frozen sampler is a fixed target: drift pulls p to it
-#    and no further (pushed away from it, by step 4's sign, p has no such bound).
+# 5. Drift accumulates. The sampler, rebuilt from each step's weights, is biased the same way
+#    again (same quantiser, same noise): a target that moves with the trainer, without bound. A
+#    frozen sampler is a fixed target: drift pulls p to it, no further (pushed away: no bound).
 # 6. A group-mean baseline (GRPO) makes the group's mean advantage zero, not E_q[A | h] at every
 #    prefix of every sequence, so drift survives it in sequences. (In a one-step bandit, whose
 #    group shares its one prefix, the group's advantages sum to 0 there: drift vanishes exactly.)
@@ -32,37 +31,39 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    signal kept. In logit space the centred score is e_y − q instead of e_y − p.
 # 8. As a loss per trained token, with sg = stop-gradient (q is data, never differentiated):
 #    ℓ_t = −sg(A) · [log p(y_t) − Σ_v sg(q(v)) · log p(v)].
-#    The batch loss is the token mean, the sum over trained tokens divided by their number, so
-#    every token weighs the same whatever its sequence's length.
-# 9. A token-level importance weight f(r_v) of the ratio r_v = p(v) / q(v) (detached) re-weights
-#    each score; centre the weighted score, with the effective mass m_v = q(v) f(r_v):
+#    The batch loss is the mean over trained tokens, each weighed the same at any sequence length.
+# 9. Importance weights. A token-level weight f(r) of the detached ratio r = p/q re-weights each
+#    token's score (TIS caps it, MIS drops tokens whose ratio is far off). Weighted, a token v
+#    enters with the mass m_v = q(v) f(r_v) instead of q(v), so centring subtracts Σ_v m_v s_v:
 #    ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_v sg(m_v) log p(v)].
-#    One f gives the weight, m and step 10's α; `loss` takes log f of log r. Truncated IS (TIS):
-#    f(r) = min(r, C), m = min(p, C q). Masked IS (MIS; miles' `mis`, verl's IcePop):
-#    f(r) = r · 1[lo ≤ r ≤ hi], m = p · 1[band]: an entry v outside the band leaves both terms.
-#    Untruncated IS, f(r) = r (the band [0, ∞)), gives m = p and the term vanishes by step 2:
-#    full IS is drift-free already, at the price of its variance.
-# 10. Top-k: q over a 151k vocabulary at every token is too big to keep, so the sampler records
-#     its head: its top-k ids and their log q, normalised over the full vocabulary. Model the
-#     tail as proportional to the trainer (FLOOR a floor on the tail masses):
+#    `loss` takes f as log f of log r. TIS: f(r) = min(r, C), so m = min(p, C q). MIS (miles'
+#    `mis`, verl's IcePop): f(r) = r in a band [lo, hi], 0 outside, so m = p in it, 0 outside.
+#    Full IS (f(r) = r, m = p) is drift-free already by step 2, at the price of its variance.
+# 10. Top-k. q over a 151k vocabulary at every token is too big to keep: the sampler records its
+#     head, its k most likely ids and their log q. Model the tail as the trainer's p scaled to
+#     the mass q leaves there, ρ the tail's q-to-p ratio (FLOOR bounds it):
 #         q̂(v) = ρ p(v) off the head,   ρ = max(1 − Σ_head q, FLOOR) / max(1 − Σ_head p, FLOOR).
-#     By step 2, Σ_tail p(v) s_v = −Σ_head p(v) s_v, so the correction touches only k logits:
+#     The tail needs no logits of its own: Σ_tail p(v) s_v = −Σ_head p(v) s_v by step 2, so
 #         Σ_v q̂(v) s_v = Σ_{v∈head} (q(v) − ρ p(v)) s_v.
-#     With IS the tail's ratio p / q̂ = 1/ρ is constant, so the tail's effective mass is α p, and
-#     each head token gets a coefficient c_v:
+#     With a weight, every tail token has the same ratio p / q̂ = 1/ρ: the tail's mass is α p,
 #         α = ρ f(1/ρ)   (no IS: ρ; TIS: min(1, C ρ); MIS: 1[lo ≤ 1/ρ ≤ hi]),
-#         c_v = sg(m_v − α p(v)).
-#     When the head is the whole vocabulary the tail is empty and any α gives the exact formula:
-#     one code path serves both.
-# 11. The loss per trained token is step 9's with q̂, whose effective mass m̂ is m on the head
-#     and α p off it. Subtract and add α p(v) on the head, and its centring sum splits in two:
-#         Σ_v sg(m̂_v) log p(v) = Σ_{v∈head} sg(m_v − α p(v)) log p(v) + α Σ_v sg(p(v)) log p(v)
-#                              = Σ_{v∈head} c_v log p(v) − α · entropy(p),
-#     entropy(p) = −Σ_v p(v) log p(v). The last term's gradient, α Σ_v p(v) s_v, is zero by step
-#     2: it enters detached, keeps the value exact and adds no gradient. `loss` ends on
+#     and each head token gets the coefficient c_v = sg(m_v − α p(v)), its mass beyond the
+#     tail's model. A head that is the whole vocabulary leaves no tail, and any α gives step 9
+#     exactly: one code path serves both.
+# 11. The value. q̂'s mass m̂ is m on the head and α p off it; subtract and add α p(v) on the
+#     head, and the centring sum splits into k head terms and one over the whole vocabulary:
+#         Σ_v sg(m̂_v) log p(v) = Σ_{v∈head} c_v log p(v) + α Σ_v sg(p(v)) log p(v)
+#                              = Σ_{v∈head} c_v log p(v) − α · entropy(p).
+#     The last term's gradient, α Σ_v p(v) s_v, is zero (step 2): it enters detached, to keep
+#     the loss's value, not its gradient. `loss` ends on
 #         ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_{v∈head} c_v log p(v) + sg(α · entropy(p))],
 #     whose gradient in logit space is −A · [f(r_y) (e_y − p) − Σ_head c_v (e_v − p)]; without IS
 #     and with the whole vocabulary as head, −A · (e_y − q).
+# A case to check by hand (test_score_centering.py pins it): V = 3, p = (0.5, 0.3, 0.2),
+#     q = (0.6, 0.3, 0.1), a head of k = 1: token 0. ρ = 0.4 / 0.5 = 0.8: q̂ = (0.6, 0.24, 0.16).
+#     No IS: m_0 = q_0 = 0.6, α = ρ = 0.8, c_0 = 0.6 − 0.8 · 0.5 = 0.2, and the centring term
+#     c_0 (e_0 − p) = (0.1, −0.06, −0.04) is q̂ − p. MIS in [0.5, 1.2]: r_0 = 5/6 is in, m_0 =
+#     p_0 = 0.5; the tail's 1/ρ = 1.25 is out, α = 0: c_0 = 0.5. Exact: q − p = (0.1, 0, −0.1).
 from functools import partial
 
 import jax
@@ -76,7 +77,7 @@ def truncated_is(log_r, cap):  # TIS, step 9's f(r) = min(r, C), as log f of log
     return jnp.minimum(log_r, jnp.log(cap))
 
 
-def masked_is(log_r, lo, hi):  # MIS: f(r) = r inside the band [lo, hi], 0 outside
+def masked_is(log_r, lo, hi):  # MIS: f(r) = r inside the band [lo, hi], 0 (log: −inf) outside
     return jnp.where((log_r >= jnp.log(lo)) & (log_r <= jnp.log(hi)), log_r, -jnp.inf)
 
 
@@ -157,7 +158,8 @@ def loss(
     rho = jnp.maximum(1 - q_mass, FLOOR) / jnp.maximum(1 - p_mass, FLOOR)  # tail: q̂ = ρ p
 
     # head coefficients: m = q f(p/q) on the head, α = ρ f(1/ρ) for the tail
-    log_r_head = jnp.where(sg_logp_head == logq_head, 0.0, sg_logp_head - logq_head)  # 0/0: 1
+    # r = 1 where p = q, p = q = 0 among them: there −inf − (−inf) would be NaN
+    log_r_head = jnp.where(sg_logp_head == logq_head, 0.0, sg_logp_head - logq_head)
     log_f_head = log_f(log_r_head)
     # m = q f(r), which is p where f(r) = r: written so, it stays exact at q = 0 (r = ∞)
     m_head = jnp.exp(jnp.where(log_f_head == log_r_head, sg_logp_head, logq_head + log_f_head))
@@ -221,9 +223,7 @@ def _check_head(head_ids, head_logprobs, B, T, V):
 def _check_ids(name, ids, shape):
     """Raise ValueError unless ids are integers, and (when their values are known) in [0, V)."""
     if not jnp.issubdtype(ids.dtype, jnp.integer):
-        swap = " (swapped? the head goes as jax.lax.top_k gives it: log q, then ids)" * (
-            name != "tokens"
-        )
+        swap = " (swapped? as jax.lax.top_k gives them: log q, then ids)" * (name != "tokens")
         raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}{swap}")
     if isinstance(ids, jax.core.Tracer) or not ids.size:  # values unknown under jit: _gather
         return

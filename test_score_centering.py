@@ -93,6 +93,38 @@ def test_centred_gradient_closed_form():
     np.testing.assert_allclose(g, expected, atol=1e-6)
 
 
+def test_the_derivations_worked_case_by_hand():
+    """score_centering.py's case to check by hand: V = 3, p = (0.5, 0.3, 0.2), q = (0.6, 0.3, 0.1),
+    a head of token 0, the sampled token 1 (r = 1), A = 1. Top-1 subtracts c_0 (e_0 − p) =
+    (0.1, −0.06, −0.04) = q̂ − p from the uncentred score (c_0 = 0.2; TIS at C = 1: 0.1; MIS in
+    [0.5, 1.2]: 0.5), exact centring q − p, and the loss's value is −(log p(y) − Σ_v q̂(v) log p(v))."""
+    p, q = np.array([0.5, 0.3, 0.2]), np.array([0.6, 0.3, 0.1])
+    z, logq, e = jnp.log(jnp.asarray(p)), jnp.log(jnp.asarray(q)), np.eye(3)
+    top1 = dict(head_logprobs=logq[:1], head_ids=jnp.array([0]))
+    uncentred = _grad_logits(z, 1, logq, center=False)
+    np.testing.assert_allclose(uncentred, -(e[1] - p), atol=1e-6)
+    q_hat = np.array([0.6, 0.24, 0.16])  # ρ p off the head, ρ = 0.8
+    g = _grad_logits(z, 1, logq, head=top1)  # −A · [(e_y − p) − c_0 (e_0 − p)]
+    np.testing.assert_allclose(g - uncentred, [0.1, -0.06, -0.04], atol=1e-6)  # c_0 = 0.2
+    np.testing.assert_allclose(g - uncentred, q_hat - p, atol=1e-6)
+    g = _grad_logits(z, 1, logq, head=top1, tis_cap=1.0)  # f(r_y) = min(1, 1)
+    np.testing.assert_allclose(g - uncentred, [0.05, -0.03, -0.02], atol=1e-6)  # c_0 = 0.1
+    g = _grad_logits(z, 1, logq, head=top1, mis=(0.5, 1.2))  # r_y = 1: in the band
+    np.testing.assert_allclose(g - uncentred, [0.25, -0.15, -0.1], atol=1e-6)  # c_0 = 0.5
+    exact = _grad_logits(z, 1, logq, head=dict(head_logprobs=logq))
+    np.testing.assert_allclose(exact - uncentred, [0.1, 0.0, -0.1], atol=1e-6)  # = q − p
+    args = (
+        z[None, None],
+        jnp.array([[1]]),
+        jnp.ones((1, 1), bool),
+        jnp.ones(1),
+        logq[1][None, None],
+    )
+    value, metrics = sc.loss(*args, **{k: v[None, None] for k, v in top1.items()})
+    np.testing.assert_allclose(value, -(np.log(0.3) - q_hat @ np.log(p)), atol=1e-6)
+    np.testing.assert_allclose(metrics["correction"], 0.2, atol=1e-6)  # |c_0|
+
+
 def _batch(seed, B=2, T=5, V=13, k=4):
     key = jax.random.split(jax.random.PRNGKey(seed), 5)
     z = 3.0 * jax.random.normal(key[0], (B, T, V))
