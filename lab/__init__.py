@@ -1,6 +1,8 @@
 """The machinery train.py's runs stand on; the ideas are in the files above this folder.
 
 hf_checkpoint  Hugging Face checkpoints: safetensors, config.json, the tokenizer; load and save
+tokenizer      byte-level BPE through tiktoken, and the checkpoint's own chat template
+gguf           python -m lab.gguf FILE OUT: a GGUF file as a checkpoint folder
 tasks          the tasks and their rewards: GSM8K, the sequence task
 rollouts       sampling many prompts in device-sized calls; the drift meter
 devices        the FSDP layout of the weights; several processes (jax.distributed)
@@ -9,4 +11,5 @@ compare        --compare: centring off and on from the same start, per seed and 
 sweep          --sweep's statistics: paired intervals, verdicts, the figures
 plan           --plan: the bytes each device holds, from config.json alone
 bench          python -m lab.bench: how fast train.py samples and trains, against the limits
+measure        python -m lab.measure: a real checkpoint's mismatch, drift term and accuracy
 """

@@ -22,7 +22,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import score_centering as sc
-import train
 from lab import harness, rollouts, tasks
 
 MISMATCH_LEVELS = "0,int8,fp8,0+kv_fp8,0+kv_int8,0+kv_int4,int8+kv_int4,fp8+kv_fp8,0.01,0.02"
@@ -58,12 +57,14 @@ def append(file, result):  # one line, flushed: a stopped run loses nothing it h
         f.write(json.dumps(result) + "\n")
 
 
-def level_numerics(level):  # harness.levels' (kind, σ, kv) -> make_sampler's numerics
+def level_numerics(train, level):  # harness.levels' (kind, σ, kv) -> make_sampler's numerics
     kind, _, kv = level
     return dict(mm=train.quant_mm(kind), kv_quant=train.kv_quant(kv))
 
 
-def trainer_logp(cfg, w, rec, rows):  # the float32 trainer's log p [B, M] of the sampled tokens
+def trainer_logp(
+    train, cfg, w, rec, rows
+):  # the float32 trainer's log p [B, M] of the sampled tokens
     logp = jax.jit(lambda w, b: train.token_logp(cfg, w, b))
     keep = ("prompt", "pos", "tokens")
     calls = [
@@ -73,16 +74,18 @@ def trainer_logp(cfg, w, rec, rows):  # the float32 trainer's log p [B, M] of th
     return np.concatenate(calls)
 
 
-def mismatch(args, task, level, seed):
+def mismatch(train, args, task, level, seed):
     """kl_q_p = token mean of log q − log p on q's own samples, mean |log p − log q|, and the
     mass of q's top 128 tokens, over args.rows GSM8K test prompts of up to max_tokens."""
     kind, sigma, _ = level
     key = jax.random.key(seed)
-    sampler = train.make_sampler(task.cfg, args.max_tokens, 128, task.eos, level_numerics(level))
+    sampler = train.make_sampler(
+        task.cfg, args.max_tokens, 128, task.eos, level_numerics(train, level)
+    )
     w_q = train.sampler_weights(task.weights, kind, sigma, jax.random.fold_in(key, 1))
     prompts = [p for p, _ in task.test[: args.rows]]
     rec = rollouts.generate(sampler, w_q, prompts, task.pad, key, args.data, args.rows)
-    logp, mask = trainer_logp(task.cfg, task.weights, rec, args.micro_batch), rec["mask"]
+    logp, mask = trainer_logp(train, task.cfg, task.weights, rec, args.micro_batch), rec["mask"]
     diff = (rec["logq"] - logp)[mask]
     head = np.asarray(jax.scipy.special.logsumexp(rec["head_logq"], -1))[mask]
     return dict(
@@ -94,7 +97,7 @@ def mismatch(args, task, level, seed):
     )
 
 
-def gradients(cfg, w, b, rows):
+def gradients(train, cfg, w, b, rows):
     """The uncentred and the centred (exact: b["head_logq"] is the full log q) gradients of the
     token-sum loss, summed over calls of `rows` rows; one forward a call, two backward passes."""
 
@@ -118,12 +121,14 @@ def gradients(cfg, w, b, rows):
     return [jnp.concatenate([x.ravel() for x in jax.tree.leaves(t)]) for t in total]
 
 
-def drift(args, task, level, seed):
+def drift(train, args, task, level, seed):
     """One step's drift term against its signal: g_u − g_c = Σ adv · E_q[∇ log p]
     (score_centering.py, step 7), over a batch of args.prompts prompts × args.group rollouts."""
     kind, sigma, _ = level
     key = jax.random.key(seed)
-    sampler = train.make_sampler(task.cfg, args.max_tokens, 0, task.eos, level_numerics(level))
+    sampler = train.make_sampler(
+        task.cfg, args.max_tokens, 0, task.eos, level_numerics(train, level)
+    )
     w_q = train.sampler_weights(task.weights, kind, sigma, jax.random.fold_in(key, 1))
     rng = np.random.default_rng(seed)
     problems = [task.train[i] for i in rng.choice(len(task.train), args.prompts, replace=False)]
@@ -132,7 +137,7 @@ def drift(args, task, level, seed):
     rec = rollouts.generate(sampler, w_q, prompts, task.pad, key, args.data, len(prompts))
     rewards = np.asarray(task.reward(rec["tokens"], rec["mask"], golds), np.float32)
     adv = np.asarray(train.advantage(jnp.asarray(rewards), args.group, "group"))
-    g_u, g_c = gradients(task.cfg, task.weights, rec | dict(adv=adv), args.micro_batch)
+    g_u, g_c = gradients(train, task.cfg, task.weights, rec | dict(adv=adv), args.micro_batch)
     norm_c, norm_d = float(jnp.linalg.norm(g_c)), float(jnp.linalg.norm(g_u - g_c))
     mixed = rewards.reshape(-1, args.group).std(-1) > 0
     return dict(
@@ -144,14 +149,16 @@ def drift(args, task, level, seed):
         mixed_groups=int(mixed.sum()),
         tokens=int(rec["mask"].sum()),
         kl_q_p=float(
-            (rec["logq"] - trainer_logp(task.cfg, task.weights, rec, args.micro_batch))[
+            (rec["logq"] - trainer_logp(train, task.cfg, task.weights, rec, args.micro_batch))[
                 rec["mask"]
             ].mean()
         ),
     )
 
 
-def accuracy(args, task, level, seed):  # greedy (clean bf16) on the first args.n test problems
+def accuracy(
+    train, args, task, level, seed
+):  # greedy (clean bf16) on the first args.n test problems
     sampler = train.make_sampler(task.cfg, args.max_tokens, 1, task.eos, greedy=True)
     w_q = train.sampler_weights(task.weights, "bf16")
     test = task.test[: args.n]
@@ -219,7 +226,8 @@ def load_task(args):  # one line for a bad checkpoint or data folder, as train.p
         raise SystemExit(f"error: {e}") from None
 
 
-def main(argv=None):
+def main(argv, train):
+    """train: the module whose programs measure (train.py, passed in, not imported)."""
     args = parse(argv)
     task = load_task(args)
     args.data = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
@@ -231,11 +239,13 @@ def main(argv=None):
             key = f"{text}/{seed}"
             if key not in done:
                 start = time.time()
-                r = MEASURES[args.what](args, task, level, seed)
+                r = MEASURES[args.what](train, args, task, level, seed)
                 done[key] = dict(key=key, level=text, seed=seed, **r, s=time.time() - start)
                 append(file, done[key])
             print(json.dumps(done[key]), flush=True)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python -m lab.measure, from the project's folder
+    import train  # the tutorial, whose sampler and train step are measured
+
+    main(None, train)

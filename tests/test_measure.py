@@ -25,7 +25,7 @@ def test_the_drift_measures_gradients_are_the_train_steps(tiny):
     out = sampler(w_q, prompt, pos, jax.random.PRNGKey(3))
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 8))
     n_tokens = float(out["mask"].sum())
-    g_u, g_c = measure.gradients(tiny.cfg, tiny.weights, batch, rows=2)
+    g_u, g_c = measure.gradients(train, tiny.cfg, tiny.weights, batch, rows=2)
     mesh, opt = Mesh(np.array(jax.devices()[:1]), ("data",)), optax.sgd(1.0)
     for center, g in ((False, g_u), (True, g_c)):
         step = train.make_train_step(tiny.cfg, opt, 8, mesh, center=center)
