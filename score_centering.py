@@ -5,7 +5,7 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 (2026). Shapes: B rows, T token positions, V vocabulary, k the sampler's top-k head size.
 """
 
-# The derivation, one step per number; its last step names the line of code it justifies.
+# The derivation, one step per number; its last step is the line `loss` ends on.
 # Notation: prefix h (the prompt and the tokens before t); trainer p(v) = p_θ(v | h);
 # sampler q(v) = q(v | h); score s_v = ∇_θ log p(v); A the rollout's advantage; y the sampled
 # token; z the trainer's logits, with ∇_z log p(v) = e_v − p.
@@ -23,15 +23,14 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 # 5. Drift accumulates. The sampler, rebuilt from each step's weights, is biased the same way
 #    again (same quantiser, same noise): a target that moves with the trainer, without bound. A
 #    frozen sampler is a fixed target: drift pulls p to it, no further (pushed away: no bound).
-# 6. A group-mean baseline (GRPO) makes the group's mean advantage zero, not E_q[A | h] at every
-#    prefix of every sequence, so drift survives it in sequences. (In a one-step bandit, whose
-#    group shares its one prefix, the group's advantages sum to 0 there: drift vanishes exactly.)
+# 6. A group-mean baseline (GRPO) zeroes the group's mean advantage, not E_q[A | h] at each prefix:
+#    drift survives it in sequences (in a one-step bandit, one prefix for all, it vanishes exactly).
 # 7. Score centering subtracts the sampler-expected score from every token's score:
 #    s̃_y = s_y − Σ_v q(v) s_v. Then E_q[s̃_y] = 0 and E_q[A s̃_y] = Cov_q(A, s_y): drift gone,
 #    signal kept. In logit space the centred score is e_y − q instead of e_y − p.
 # 8. As a loss per trained token, with sg = stop-gradient (q is data, never differentiated):
 #    ℓ_t = −sg(A) · [log p(y_t) − Σ_v sg(q(v)) · log p(v)].
-#    The batch loss is the mean over trained tokens, each weighed the same at any sequence length.
+#    The batch loss is the mean over trained tokens, each weighted the same at any sequence length.
 # 9. Importance weights. A token-level weight f(r) of the detached ratio r = p/q re-weights each
 #    token's score (TIS caps it, MIS drops tokens whose ratio is far off). Weighted, a token v
 #    enters with the mass m_v = q(v) f(r_v) instead of q(v), so centring subtracts Σ_v m_v s_v:
@@ -48,14 +47,14 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #     With a weight, every tail token has the same ratio p / q̂ = 1/ρ: the tail's mass is α p,
 #         α = ρ f(1/ρ)   (no IS: ρ; TIS: min(1, C ρ); MIS: 1[lo ≤ 1/ρ ≤ hi]),
 #     and each head token gets the coefficient c_v = sg(m_v − α p(v)), its mass beyond the
-#     tail's model. A head that is the whole vocabulary leaves no tail, and any α gives step 9
-#     exactly: one code path serves both.
+#     tail's model. With the whole vocabulary as head there is no tail: the α p that c takes
+#     away, step 11's entropy term gives back, so any α gives step 9 exactly (one code path).
 # 11. The value. q̂'s mass m̂ is m on the head and α p off it; subtract and add α p(v) on the
 #     head, and the centring sum splits into k head terms and one over the whole vocabulary:
 #         Σ_v sg(m̂_v) log p(v) = Σ_{v∈head} c_v log p(v) + α Σ_v sg(p(v)) log p(v)
 #                              = Σ_{v∈head} c_v log p(v) − α · entropy(p).
 #     The last term's gradient, α Σ_v p(v) s_v, is zero (step 2): it enters detached, to keep
-#     the loss's value, not its gradient. `loss` ends on
+#     the loss's value, not its gradient. `loss` ends on (the minus before the sum: + entropy)
 #         ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_{v∈head} c_v log p(v) + sg(α · entropy(p))],
 #     whose gradient in logit space is −A · [f(r_y) (e_y − p) − Σ_head c_v (e_v − p)]; without IS
 #     and with the whole vocabulary as head, −A · (e_y − q).
@@ -63,7 +62,8 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #     q = (0.6, 0.3, 0.1), a head of k = 1: token 0. ρ = 0.4 / 0.5 = 0.8: q̂ = (0.6, 0.24, 0.16).
 #     No IS: m_0 = q_0 = 0.6, α = ρ = 0.8, c_0 = 0.6 − 0.8 · 0.5 = 0.2, and the centring term
 #     c_0 (e_0 − p) = (0.1, −0.06, −0.04) is q̂ − p. MIS in [0.5, 1.2]: r_0 = 5/6 is in, m_0 =
-#     p_0 = 0.5; the tail's 1/ρ = 1.25 is out, α = 0: c_0 = 0.5. Exact: q − p = (0.1, 0, −0.1).
+#     p_0 = 0.5; the tail's 1/ρ = 1.25 is out, α = 0: c_0 = 0.5, the term (0.25, −0.15, −0.1).
+#     Exact centring, no IS (k = 3): q − p = (0.1, 0, −0.1).
 from functools import partial
 
 import jax

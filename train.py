@@ -125,7 +125,7 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False):
             logq = jax.nn.log_softmax(logits[:, -1] / TEMPERATURE)  # [B, V]
             y = jnp.argmax(logq, -1) if greedy else rollouts.categorical(k_sample, logq)  # [B]
             logq_y = jnp.take_along_axis(logq, y[:, None], -1)[:, 0]
-            rec = dict(tokens=y, logq=logq_y, mask=~done, head_logq=logq)
+            rec = dict(tokens=y, logq=logq_y, mask=~done, head_logq=logq)  # EOS: trained
             if topk:
                 rec["head_logq"], rec["head_ids"] = jax.lax.top_k(logq, topk)
             out = {name: x.at[i].set(rec[name]) for name, x in out.items()}
@@ -435,7 +435,7 @@ def main(argv=None):
     harness.start(args)
 
     def work():
-        task = tasks.load(args, shardings)  # one line on bad data or checkpoint: no traceback
+        task = tasks.load(args, shardings)  # --plan: config.json alone; bad input: one line
         if args.plan:
             return plan.plan(args, dict(task), build(args, task, (0,)), shardings, lora_init)
         fn = build(args, task.cfg, task.eos)
