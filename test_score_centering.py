@@ -97,7 +97,7 @@ def test_the_derivations_worked_case_by_hand():
     """score_centering.py's case to check by hand: V = 3, p = (0.5, 0.3, 0.2), q = (0.6, 0.3, 0.1),
     a head of token 0, the sampled token 1 (r = 1), A = 1. Top-1 subtracts c_0 (e_0 − p) =
     (0.1, −0.06, −0.04) = q̂ − p from the uncentred score (c_0 = 0.2; TIS at C = 1: 0.1; MIS in
-    [0.5, 1.2]: 0.5), exact centring q − p, and the loss's value is −(log p(y) − Σ_v q̂(v) log p(v))."""
+    [0.5, 1.2]: 0.5), exact centring q − p; the loss's value is −(log p(y) − Σ_v q̂(v) log p(v))."""
     p, q = np.array([0.5, 0.3, 0.2]), np.array([0.6, 0.3, 0.1])
     z, logq, e = jnp.log(jnp.asarray(p)), jnp.log(jnp.asarray(q)), np.eye(3)
     top1 = dict(head_logprobs=logq[:1], head_ids=jnp.array([0]))
