@@ -3,7 +3,7 @@ step's drift term against its signal, its greedy GSM8K accuracy.
 
     python -m lab.measure mismatch --model smollm2 --data-dir ../shared/gsm8k
     python -m lab.measure drift --model smollm2 --max-tokens 128  # on the arithmetic below
-    python -m lab.measure drift --task chain           # the chain task's tiny model, its levels
+    python -m lab.measure drift --task chain --max-tokens 64   # the chain task, its levels
     python -m lab.measure accuracy --model smollm2 --data-dir ../shared/gsm8k --n 500
 
 Each result is a JSON line in OUT/WHAT.jsonl, written as it is made; a rerun skips the results
