@@ -109,7 +109,7 @@ def main(argv=None):
         for name, r in runs.items():
             style = ("r" if name.endswith("off") else "b") + ("-" if "online" in name else "--")
             ax.plot(range(1, args.steps + 1), r["curve"], style, label=name)
-        ax.axhline(r["gap"], color="k", ls=":", lw=0.8, label="sampler gap at start")
+        ax.axhline(runs["online off"]["gap"], color="k", ls=":", lw=0.8, label="gap at start")
         ax.set(xlabel="step", ylabel="drift  TV(p_t, p_0)", title=f"baseline {args.baseline}")
         ax.legend(title="sampler, centring", fontsize=7, title_fontsize=7, frameon=False)
         ax.figure.savefig(args.plot)

@@ -64,7 +64,7 @@ def kv_quant(kind):
     def fp8(a):
         return jnp.clip(a.astype(jnp.float32), -448, 448).astype(jnp.float8_e4m3fn).astype(a.dtype)
 
-    per_head = {kind: partial(fake_quant, axes=(3,), kind=kind) for kind in ("int8", "int4")}
+    per_head = {k: partial(fake_quant, axes=(3,), kind=k) for k in ("int8", "int4")}
     return dict(per_head, fp8=fp8).get(kind)
 
 
