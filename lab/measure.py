@@ -99,7 +99,8 @@ def mismatch(train, args, task, level, seed):
 
 def gradients(train, cfg, w, b, rows):
     """The uncentred and the centred (exact: b["head_logq"] is the full log q) gradients of the
-    token-sum loss, summed over calls of `rows` rows; one forward a call, two backward passes."""
+    token-sum loss and the token sum of log q − log p, summed over calls of `rows` rows; one
+    forward a call, two backward passes."""
 
     @jax.jit
     def both(w, b):
@@ -111,14 +112,16 @@ def gradients(train, cfg, w, b, rows):
             loss = lambda lg: sc.loss(lg, *args, center=center)[0] * b["mask"].sum()  # noqa: E731
             return jax.grad(loss)(logits)
 
-        return vjp(dlogits(False))[0], vjp(dlogits(True))[0]
+        kl_q_p = sc.loss(logits, *args, center=False)[1]["kl_q_p"]  # the token mean
+        return vjp(dlogits(False))[0], vjp(dlogits(True))[0], kl_q_p * b["mask"].sum()
 
     keep = ("prompt", "pos", "tokens", "mask", "adv", "logq", "head_logq")
     total = None
     for i in range(0, len(b["tokens"]), rows):
         g = both(w, {k: b[k][i : i + rows] for k in keep})
         total = g if total is None else jax.tree.map(jnp.add, total, g)
-    return [jnp.concatenate([x.ravel() for x in jax.tree.leaves(t)]) for t in total]
+    g_u, g_c = [jnp.concatenate([x.ravel() for x in jax.tree.leaves(t)]) for t in total[:2]]
+    return g_u, g_c, float(total[2])
 
 
 def drift(train, args, task, level, seed):
@@ -137,7 +140,8 @@ def drift(train, args, task, level, seed):
     rec = rollouts.generate(sampler, w_q, prompts, task.pad, key, args.data, len(prompts))
     rewards = np.asarray(task.reward(rec["tokens"], rec["mask"], golds), np.float32)
     adv = np.asarray(train.advantage(jnp.asarray(rewards), args.group, "group"))
-    g_u, g_c = gradients(train, task.cfg, task.weights, rec | dict(adv=adv), args.micro_batch)
+    batch = rec | dict(adv=adv)
+    g_u, g_c, kl_sum = gradients(train, task.cfg, task.weights, batch, args.micro_batch)
     norm_c, norm_d = float(jnp.linalg.norm(g_c)), float(jnp.linalg.norm(g_u - g_c))
     mixed = rewards.reshape(-1, args.group).std(-1) > 0
     return dict(
@@ -148,11 +152,7 @@ def drift(train, args, task, level, seed):
         reward=float(rewards.mean()),
         mixed_groups=int(mixed.sum()),
         tokens=int(rec["mask"].sum()),
-        kl_q_p=float(
-            (rec["logq"] - trainer_logp(train, task.cfg, task.weights, rec, args.micro_batch))[
-                rec["mask"]
-            ].mean()
-        ),
+        kl_q_p=kl_sum / rec["mask"].sum(),
     )
 
 

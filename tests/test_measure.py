@@ -25,7 +25,7 @@ def test_the_drift_measures_gradients_are_the_train_steps(tiny):
     out = sampler(w_q, prompt, pos, jax.random.PRNGKey(3))
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 8))
     n_tokens = float(out["mask"].sum())
-    g_u, g_c = measure.gradients(train, tiny.cfg, tiny.weights, batch, rows=2)
+    g_u, g_c, kl_sum = measure.gradients(train, tiny.cfg, tiny.weights, batch, rows=2)
     mesh, opt = Mesh(np.array(jax.devices()[:1]), ("data",)), optax.sgd(1.0)
     for center, g in ((False, g_u), (True, g_c)):
         step = train.make_train_step(tiny.cfg, opt, 8, mesh, center=center)
@@ -37,6 +37,9 @@ def test_the_drift_measures_gradients_are_the_train_steps(tiny):
         # (|g| <= 0.13); atol 5x
         np.testing.assert_allclose(g / n_tokens, ref, atol=1e-6)
     assert float(jnp.linalg.norm(g_u - g_c)) > 1e-3 * float(jnp.linalg.norm(g_c))  # a drift term
+    logp = train.token_logp(tiny.cfg, tiny.weights, batch)  # the trainer's log p, its own pass
+    kl = jnp.where(out["mask"], out["logq"] - logp, 0).sum()
+    np.testing.assert_allclose(kl_sum, kl, atol=1e-4 * n_tokens)  # the token sum of log q − log p
 
 
 def test_the_arithmetic_problems_read_as_gsm8k_with_their_storys_answer(tmp_path):
