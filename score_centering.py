@@ -5,7 +5,8 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 (2026). Shapes: B rows, T token positions, V vocabulary, k the sampler's top-k head size.
 """
 
-# The derivation, one step per number; its last step is the line `loss` ends on.
+# The derivation, one step per number; its last step is the line `loss` ends on. Steps 1 to 8
+# are the method; 9 to 11 add importance weights and the sampler's top-k head.
 # Notation: prefix h (the prompt and the tokens before t); trainer p(v) = p_θ(v | h);
 # sampler q(v) = q(v | h); score s_v = ∇_θ log p(v); A the rollout's advantage; y the sampled
 # token; z the trainer's logits, with ∇_z log p(v) = e_v − p.
@@ -17,9 +18,9 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 # 3. Off-policy the lemma fails: E_{y~q}[s_y] = Σ_v q(v) s_v =: s̄_q ≠ 0. In logit space
 #    s̄_q = q − p, which is −∇_z CE(q, p): the direction that distils p toward q.
 # 4. Split the expected update at one prefix: E_q[A s_y] = E_q[A | h] · s̄_q + Cov_q(A, s_y).
-#    The first term is drift: it carries no reward information, vanishes only when q = p, and
-#    follows the sign of the prefix's mean advantage (positive pulls p toward q, negative pushes
-#    it away). The second term is the signal.
+#    The first term is drift: it says nothing about which token was better, vanishes only when
+#    q = p or E_q[A | h] = 0, and follows the sign of the prefix's mean advantage (positive pulls
+#    p toward q, negative pushes it away). The second term is the signal.
 # 5. Drift accumulates. The sampler, rebuilt from each step's weights, is biased the same way
 #    again (same quantiser, same noise): a target that moves with the trainer, without bound. A
 #    frozen sampler is a fixed target: drift pulls p to it, no further (pushed away: no bound).
@@ -27,37 +28,34 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    drift survives it in sequences (in a one-step bandit, one prefix for all, it vanishes exactly).
 # 7. Score centering subtracts the sampler-expected score from every token's score:
 #    s̃_y = s_y − Σ_v q(v) s_v. Then E_q[s̃_y] = 0 and E_q[A s̃_y] = Cov_q(A, s_y): drift gone,
-#    signal kept. In logit space the centred score is e_y − q instead of e_y − p.
+#    signal kept (as q weighs it; step 9's weights move it toward p's). In logit space the
+#    centred score is e_y − q instead of e_y − p.
 # 8. As a loss per trained token, with sg = stop-gradient (q is data, never differentiated):
 #    ℓ_t = −sg(A) · [log p(y_t) − Σ_v sg(q(v)) · log p(v)].
 #    The batch loss is the mean over trained tokens, each weighted the same at any sequence length.
-# 9. Importance weights. A token-level weight f(r) of the detached ratio r = p/q re-weights each
-#    token's score (TIS caps it, MIS drops tokens whose ratio is far off). Weighted, a token v
+# 9. Importance weights. A weight f(r) of each token's detached ratio r = p/q multiplies its
+#    score (TIS caps it, MIS drops tokens whose ratio is far off). Under y ~ q a token v then
 #    enters with the mass m_v = q(v) f(r_v) instead of q(v), so centring subtracts Σ_v m_v s_v:
 #    ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_v sg(m_v) log p(v)].
-#    `loss` takes f as log f of log r. TIS: f(r) = min(r, C), so m = min(p, C q). MIS (miles'
-#    `mis`, verl's IcePop): f(r) = r in a band [lo, hi], 0 outside, so m = p in it, 0 outside.
-#    Full IS (f(r) = r, m = p) is drift-free already by step 2, at the price of its variance.
+#    `loss` takes the weight as its mass m(q, p) = q f(p/q), in logs; f(r) = m(1, r). No IS:
+#    m = q. TIS: f(r) = min(r, C), m = min(p, C q). MIS (miles' `mis`, verl's IcePop): f(r) = r
+#    in a band [lo, hi], 0 outside, so m = p in it, 0 outside. Full IS (f(r) = r, m = p)
+#    subtracts Σ_v p s_v = 0: it is drift-free already (step 2), at the price of its variance.
 # 10. Top-k. q over a 151k vocabulary at every token is too big to keep: the sampler records its
-#     head, its k most likely ids and their log q. Model the tail as the trainer's p scaled to
-#     the mass q leaves there, ρ the tail's q-to-p ratio (FLOOR bounds it):
-#         q̂(v) = ρ p(v) off the head,   ρ = max(1 − Σ_head q, FLOOR) / max(1 − Σ_head p, FLOOR).
-#     The tail needs no logits of its own: Σ_tail p(v) s_v = −Σ_head p(v) s_v by step 2, so
-#         Σ_v q̂(v) s_v = Σ_{v∈head} (q(v) − ρ p(v)) s_v.
-#     With a weight, every tail token has the same ratio p / q̂ = 1/ρ: the tail's mass is α p,
-#         α = ρ f(1/ρ)   (no IS: ρ; TIS: min(1, C ρ); MIS: 1[lo ≤ 1/ρ ≤ hi]),
-#     and each head token gets the coefficient c_v = sg(m_v − α p(v)), its mass beyond the
-#     tail's model. With the whole vocabulary as head there is no tail: the α p that c takes
-#     away, step 11's entropy term gives back, so any α gives step 9 exactly (one code path).
-# 11. The value. q̂'s mass m̂ is m on the head and α p off it; subtract and add α p(v) on the
-#     head, and the centring sum splits into k head terms and one over the whole vocabulary:
-#         Σ_v sg(m̂_v) log p(v) = Σ_{v∈head} c_v log p(v) + α Σ_v sg(p(v)) log p(v)
-#                              = Σ_{v∈head} c_v log p(v) − α · entropy(p).
-#     The last term's gradient, α Σ_v p(v) s_v, is zero (step 2): it enters detached, to keep
-#     the loss's value, not its gradient. `loss` ends on (the minus before the sum: + entropy)
-#         ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_{v∈head} c_v log p(v) + sg(α · entropy(p))],
-#     whose gradient in logit space is −A · [f(r_y) (e_y − p) − Σ_head c_v (e_v − p)]; without IS
-#     and with the whole vocabulary as head, −A · (e_y − q).
+#     head, its k most likely ids and their log q. Off the head, model q as the trainer's p
+#     scaled to the mass that q leaves there (FLOOR bounds both masses from below):
+#         q̂(v) = q(v) on the head,  ρ p(v) off it,  ρ = (1 − Σ_head q) / (1 − Σ_head p).
+#     Every tail token has the same ratio p / q̂ = 1/ρ, so its mass is m(ρ p, p) = α p, with
+#         α = m(ρ, 1) = ρ f(1/ρ)   (no IS: ρ; TIS: min(1, C ρ); MIS: 1 if lo ≤ 1/ρ ≤ hi, else 0).
+# 11. The value needs no tail logits (m̂: m on the head, α p off it): the tail is all less the head,
+#         Σ_v sg(m̂_v) log p(v) = Σ_head m_v log p(v) + α Σ_tail sg(p(v)) log p(v)
+#             = Σ_head m_v log p(v) + α [Σ_v sg(p(v)) log p(v) − Σ_head p(v) log p(v)]
+#             = Σ_head c_v log p(v) − α · entropy(p),   with c_v = sg(m_v − α p(v)).
+#     The entropy term's gradient, α Σ_v p(v) s_v, is zero (step 2): it enters detached, for
+#     the loss's value alone. With the whole vocabulary as head the α terms cancel: step 9
+#     exactly, whatever α is. `loss` ends on (the minus before the sum makes it + entropy)
+#         ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_head c_v log p(v) + sg(α · entropy(p))],
+#     whose gradient in logit space is −A · [f(r_y) (e_y − p) − Σ_head c_v (e_v − p)].
 # A case to check by hand (test_score_centering.py pins it): V = 3, p = (0.5, 0.3, 0.2),
 #     q = (0.6, 0.3, 0.1), a head of k = 1: token 0. ρ = 0.4 / 0.5 = 0.8: q̂ = (0.6, 0.24, 0.16).
 #     No IS: m_0 = q_0 = 0.6, α = ρ = 0.8, c_0 = 0.6 − 0.8 · 0.5 = 0.2, and the centring term
@@ -73,12 +71,17 @@ import numpy as np
 FLOOR = 1e-6  # of the tail masses in the top-k model (step 10)
 
 
-def truncated_is(log_r, cap):  # TIS, step 9's f(r) = min(r, C), as log f of log r
-    return jnp.minimum(log_r, jnp.log(cap))
+def no_is(logq, logp):  # step 9's mass m(q, p) = q f(p/q) in logs, for f = 1: m = q
+    return logq
 
 
-def masked_is(log_r, lo, hi):  # MIS: f(r) = r inside the band [lo, hi], 0 (log: −inf) outside
-    return jnp.where((log_r >= jnp.log(lo)) & (log_r <= jnp.log(hi)), log_r, -jnp.inf)
+def truncated_is(logq, logp, cap):  # TIS, f(r) = min(r, C): m = min(p, C q)
+    return jnp.minimum(logp, jnp.log(cap) + logq)
+
+
+def masked_is(logq, logp, lo, hi):  # MIS, f(r) = r in the band [lo, hi], else 0: m = p or 0
+    log_r = logp - logq  # NaN where p = q = 0: outside any band, so m = 0 = p there
+    return jnp.where((log_r >= jnp.log(lo)) & (log_r <= jnp.log(hi)), logp, -jnp.inf)
 
 
 def loss(
@@ -138,15 +141,16 @@ def loss(
         entropy=token_mean(entropy),
     )
 
-    # the importance weight f(r) of r = p/q, as log f of log r (step 9); none: f = 1
-    log_f = jnp.zeros_like
+    # the importance weight, as its mass m(q, p) = q f(p/q) in logs (step 9)
+    log_m, weighted = no_is, None
     if tis_cap is not None:
-        log_f = partial(truncated_is, cap=tis_cap)
-        metrics["tis_capped"] = token_mean(log_f(log_ratio) < log_ratio)
+        log_m, weighted = partial(truncated_is, cap=tis_cap), "tis_capped"
     if mis is not None:
-        log_f = partial(masked_is, lo=mis[0], hi=mis[1])
-        metrics["mis_masked"] = token_mean(log_f(log_ratio) < log_ratio)
-    score = jnp.exp(log_f(log_ratio)) * logp_y  # sg(f(r_y)) log p(y)
+        log_m, weighted = partial(masked_is, lo=mis[0], hi=mis[1]), "mis_masked"
+    log_f_y = log_m(0.0, log_ratio)  # log f(r_y), as f(r) = m(1, r)
+    if weighted:  # the share of tokens weighted below their r (TIS: capped; MIS: masked)
+        metrics[weighted] = token_mean(log_f_y < log_ratio)
+    score = jnp.exp(log_f_y) * logp_y  # sg(f(r_y)) log p(y)
     if head_logprobs is None:  # no sampler distribution: nothing to centre
         return -token_mean(A * score), metrics
 
@@ -157,19 +161,15 @@ def loss(
     q_mass, p_mass = jnp.exp(logq_head).sum(-1), jnp.exp(sg_logp_head).sum(-1)  # [B, T]
     rho = jnp.maximum(1 - q_mass, FLOOR) / jnp.maximum(1 - p_mass, FLOOR)  # tail: q̂ = ρ p
 
-    # head coefficients: m = q f(p/q) on the head, α = ρ f(1/ρ) for the tail
-    # r = 1 where p = q, p = q = 0 among them: there −inf − (−inf) would be NaN
-    log_r_head = jnp.where(sg_logp_head == logq_head, 0.0, sg_logp_head - logq_head)
-    log_f_head = log_f(log_r_head)
-    # m = q f(r), which is p where f(r) = r: written so, it stays exact at q = 0 (r = ∞)
-    m_head = jnp.exp(jnp.where(log_f_head == log_r_head, sg_logp_head, logq_head + log_f_head))
-    alpha = jnp.exp(jnp.log(rho) + log_f(-jnp.log(rho)))  # [B, T]
+    # head coefficients c = m − α p (steps 10 and 11)
+    m_head = jnp.exp(log_m(logq_head, sg_logp_head))  # [B, T, k] m = m(q, p)
+    alpha = jnp.exp(log_m(jnp.log(rho), 0.0))  # [B, T] the tail's α = m(ρ, 1)
     c_head = m_head - alpha[..., None] * jnp.exp(sg_logp_head)  # [B, T, k]
     metrics["head_mass_q"] = token_mean(q_mass)
     metrics["head_mass_p"] = token_mean(p_mass)
     metrics["correction"] = token_mean(jnp.abs(c_head).sum(-1))
 
-    # centred score (step 11); c log p = 0 where c = 0, even at p = 0 (a -inf logit)
+    # centred score: step 11's bracket; c log p = 0 where c = 0, even at p = 0 (a -inf logit)
     if center:
         score = score - jnp.where(c_head == 0, 0.0, c_head * logp_head).sum(-1) + alpha * entropy
     return -token_mean(A * score), metrics
