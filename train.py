@@ -2,7 +2,7 @@
 
     python train.py --center                       # Qwen3-0.6B on GSM8K, score-centred
     python train.py --compare --out runs/gsm8k     # centring off, then on: same seed and noise
-    python train.py --task sequence --compare      # what drift costs, on a CPU: under a minute
+    python train.py --task sequence --compare      # what drift costs, on a CPU: about 40 s
 
 What it is: REINFORCE with a group-mean baseline, whose rollouts come from a copy of the policy that
 runs with other numerics (bf16 / int8 / fp8 weights, int8 / int4 / fp8 KV cache, fixed weight noise,
@@ -11,7 +11,7 @@ staleness), trained with `score_centering.loss`. How it differs from textbook GR
 - no PPO ratio clipping: one optimizer step per batch, so the only off-policyness is the sampler's;
 - a token-mean loss over the whole batch, not a mean of per-sequence means (score_centering.py, 8);
 - advantages are rewards minus the group mean, not divided by the group's std (the paper's recipe);
-- plain SGD at a constant learning rate on float32 master weights (the paper's; --optimizer adam).
+- plain SGD at a constant learning rate on float32 master weights (the paper's; Adam: --optimizer).
 
 In order: the sampler and its mismatch, the train step, the GRPO loop, one run, main (the tasks:
 lab/tasks.py; flags, logs, resumable state: lab/harness.py). Shapes: P prompts a step, G rollouts
@@ -104,7 +104,7 @@ Decoding = namedtuple("Decoding", "i logits cache done out key")
 
 def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False):
     """fn(weights, prompt [B, T0], pos [B, T0], key) -> dict of tokens, logq, mask [B, M] and the
-    head: head_ids, head_logq [B, M, k], log q after temperature over the whole vocabulary (topk 0:
+    head: head_ids, head_logq [B, M, k], log q after temperature, normalised over all V (topk 0:
     the full [B, M, V] log q, no ids). Prefills once, then decodes a token a step until every row
     has ended its turn. numerics: qwen3.forward's mm (quant_mm), dtype (SAMPLER_DTYPE), kv_quant."""
     numerics = dict(dtype=SAMPLER_DTYPE) | (numerics or {})
@@ -161,7 +161,7 @@ def completion_logits(cfg, w, prompt, pos, tokens):
     seq = jnp.concatenate([prompt, tokens], 1)
     with jax.default_matmul_precision("highest"):  # a float32 trainer, not TF32 or bf16 passes
         logits = qwen3.forward(cfg, w, seq, seq_pos, last=M + 1)[0]
-    return logits[:, :-1] / TEMPERATURE  # the logits at position t predict token t + 1
+    return logits[:, :-1] / TEMPERATURE  # position T0 - 1 + t predicts token t; the last, none
 
 
 def advantage(rewards, group, baseline):  # [..., B] -> [..., B]: minus its group's mean, or raw
@@ -171,9 +171,8 @@ def advantage(rewards, group, baseline):  # [..., B] -> [..., B]: minus its grou
     return rewards - means.repeat(group, -1)
 
 
-def lora_init(
-    w, rank, key
-):  # lora_a normal of variance 1/fan-in, lora_b = 0: the policy starts at the base
+def lora_init(w, rank, key):
+    """Adapters per projection: lora_a normal of variance 1/fan-in, lora_b = 0 (starts at base)."""
     adapters = {}
     for name, key_a in zip(PROJECTIONS, jax.random.split(key, len(PROJECTIONS)), strict=True):
         x = w["layers"][name]  # [L, inputs..., outputs...]
@@ -211,8 +210,9 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, tis_cap=None, mis=None,
         )
         return loss * b["mask"].sum(), (metrics, b["mask"].sum())  # token sums: / n_tokens below
 
-    # [B, ...] -> [B / mb, mb, ...], mb = micro_batch rows a pass: row i goes to pass i % (B / mb),
-    # strided so that each device takes its share of every pass from the rows it holds: none moves
+    # [B, ...] -> [passes, mb, ...], mb = micro_batch rows a pass, strided: B 8, mb 4 gives passes
+    # (0, 2, 4, 6) and (1, 3, 5, 7), so each of 2 devices (rows 0-3, 4-7) gives every pass 2 of
+    # the rows it holds, and no row moves between devices
     def micro_batches(x):
         x = x.reshape(micro_batch, -1, *x.shape[1:]).swapaxes(0, 1)
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, "data")))
@@ -357,8 +357,8 @@ def build(args, cfg, eos):
 def run(args, task, fn, center, seed, out, prefix=""):
     """One GRPO run into `out` (resumed from its state when there is one); returns its summary.
     fn: build's programs; prefix: on each line it prints."""
-    if harness.finished(out):  # a --resume of a finished run
-        return harness.finished(out)
+    if summary := harness.finished(out):  # a --resume of a finished run
+        return summary
     key, noise_key, probe_key, lora_key = jax.random.split(jax.random.PRNGKey(seed), 4)
     data = NamedSharding(fn.mesh, PartitionSpec("data"))  # rows split over the devices
     replicated = NamedSharding(fn.mesh, PartitionSpec())
