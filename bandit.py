@@ -32,7 +32,7 @@ def bandit(center, staleness, steps=200, lr=0.5, noise=0.5, baseline="none", see
     k_success, k_bias, key = jax.random.split(jax.random.PRNGKey(seed), 3)
     success = jax.random.uniform(k_success, (V,), minval=0.45, maxval=0.55)  # small signal
     bias = noise * jax.random.normal(k_bias, (V,))  # drawn once: persistent
-    mask = jnp.ones((B, 1), bool)  # [B, T]: every token trained
+    mask = jnp.ones((B, 1), bool)  # [B, T] with T = 1: a rollout is one token, the arm pulled
 
     @jax.jit
     def step(theta, sampler_logits, key):
@@ -75,8 +75,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="of the toy and of the rollouts")
     p.add_argument("--plot", metavar="FILE", help="draw drift against steps into FILE (a PNG)")
     args = p.parse_args(argv)
-    cap = 1.0 if args.tis_cap is None else args.tis_cap  # None (no IS) passes; inf: untruncated
-    if not (args.steps >= 1 and 0 < args.lr < jnp.inf and 0 <= args.noise < jnp.inf and cap > 0):
+    cap_ok = args.tis_cap is None or args.tis_cap > 0  # omitted: no IS; inf: untruncated IS
+    if not (args.steps >= 1 and 0 < args.lr < jnp.inf and 0 <= args.noise < jnp.inf and cap_ok):
         p.error("--steps >= 1, --lr finite > 0, --noise finite >= 0, --tis-cap > 0 (or omit it)")
     if args.plot:  # before the runs: matplotlib (optional; no pyplot), a format it has, a folder
         try:
