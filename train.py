@@ -40,6 +40,7 @@ SAMPLER_DTYPE = jnp.bfloat16  # the sampler's weights and activations (W8A8: the
 # the embedding and head. One quantisation scale per output channel; lora_a spans these axes
 INPUT_AXES = dict(q=(1,), k=(1,), v=(1,), o=(1, 2), gate=(1,), up=(1,), down=(1,), embed=(1,))
 INPUT_AXES["lm_head"] = (1,)  # untied: the output head, [V, D] like the embedding
+# (o is [L, N, H, D]: its input, axes 1 and 2, is the N heads' outputs of H each)
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # LoRA's: every attention and MLP matmul
 
 # -------------------------------------------------------------------------------------------------
@@ -92,7 +93,8 @@ def sampler_weights(w, kind, sigma=0.0, key=None):
 def quant_mm(kind):  # W8A8: the activation is fake-quantised per token (over the contracted axes)
     def mm(spec, x, w):  # spec "btd,dnh->btnh": x's letters, then the output's
         x_axes, out = spec.split(",")[0], spec.split("->")[1]
-        per_token = tuple(i for i, c in enumerate(x_axes) if c not in out)  # contracted: d
+        # the axes of x the einsum sums over (here d): one scale per (b, t), i.e. per token
+        per_token = tuple(i for i, c in enumerate(x_axes) if c not in out)
         return jnp.einsum(spec, fake_quant(x, per_token, kind), w)
 
     return jnp.einsum if kind == "bf16" else mm
@@ -129,6 +131,7 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False):
             if topk:
                 rec["head_logq"], rec["head_ids"] = jax.lax.top_k(logq, topk)
             out = {name: x.at[i].set(rec[name]) for name, x in out.items()}
+            # token i at the position one past the prompt's last + i, in cache slot T0 + i
             logits, cache = fwd(w, y[:, None].astype(jnp.int32), pos[:, -1:] + 1 + i, cache, T0 + i)
             return Decoding(i + 1, logits, cache, done | jnp.isin(y, eos), out, key)
 
@@ -342,16 +345,10 @@ def build(args, cfg, eos):
         make_train_step(cfg, opt, args.micro_batch, mesh, c, **loss_flags) for c in (False, True)
     ]
     policy = jax.jit(partial(merge, scale=lora_scale)) if args.lora else merge  # LoRA: merged
-    return Programs(
-        mesh=mesh,
-        opt=opt,
-        policy=policy,
-        steps=steps,
-        samplers=samplers,
-        greedy=make_sampler(cfg, args.max_tokens, 1, eos, greedy=True),
-        prober=make_sampler(cfg, args.max_tokens, 1, eos),
-        logp=jax.jit(partial(token_logp, cfg)),
-    )
+    greedy = make_sampler(cfg, args.max_tokens, 1, eos, greedy=True)
+    prober = make_sampler(cfg, args.max_tokens, 1, eos)
+    logp = jax.jit(partial(token_logp, cfg))
+    return Programs(mesh, opt, policy, steps, samplers, greedy, prober, logp)
 
 
 def run(args, task, fn, center, seed, out, prefix=""):
@@ -377,7 +374,9 @@ def run(args, task, fn, center, seed, out, prefix=""):
     def copy(params, kind="bf16", sigma=0.0):  # the sampler's: whole on every device
         return jax.device_put(sampler_weights(policy(params), kind, sigma, noise_key), replicated)
 
-    # the drift meter, on completions drawn once from p_0's clean bf16 copy; the held-out score
+    # the drift meter, on completions drawn once from p_0's clean bf16 copy; the held-out score.
+    # rollouts.generate: the prompts left-padded to one length, `rows` a sampler call, the record
+    # as arrays. drift(w): the probe tokens' mean log p_0(y) − log p_w(y), about KL(p_0 ‖ p_w)
     probe = rollouts.generate(fn.prober, copy(params), task.probe, task.pad, probe_key, data, rows)
     drift = rollouts.drift_meter(fn.logp, probe, policy(params), args.micro_batch, data)
     test, golds = [p for p, _ in task.test], [gold for _, gold in task.test]
@@ -403,7 +402,7 @@ def run(args, task, fn, center, seed, out, prefix=""):
     # the loop, from the saved state if there is one
     template = copy(params) if args.staleness else None  # the shapes of a saved sampler copy
     hist = dict(step=0, acc={}, drift={}, kl_q_p=[], reward=[])
-    hist, state = harness.resume(out, hist, params, opt_state, template)
+    hist, state = harness.resume(out, hist, params, opt_state, template)  # out's saved, if any
     params, opt_state = grpo(
         state,
         start=hist["step"],
@@ -417,7 +416,7 @@ def run(args, task, fn, center, seed, out, prefix=""):
         reward=task.reward,
         train_step=train_step,
         evaluate=evaluate,
-        record=harness.recorder(args, out, hist, prefix),
+        record=harness.recorder(args, out, hist, prefix),  # prints, appends metrics.jsonl, saves
     )
     if args.save:
         weights = host(policy(params))  # every process takes part; process 0 writes
