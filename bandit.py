@@ -6,7 +6,7 @@ The policy is V logits; the sampler's are the trainer's plus a fixed random offs
 bias, like a quantiser's). A rollout is one token, rewarded 1 with its arm's success rate. With raw
 rewards the mean advantage is positive, so score_centering.py's drift term (step 4) pulls the
 policy toward the sampler every step: refreshed from the trainer (online), it walks away without
-bound (drift: TV(p_t, p_0)); frozen, it stops (step 5). Letters: B rows, T = 1, V arms, k = V.
+bound in logits (drift, TV(p_t, p_0), nears 1); frozen, it stops. Letters: B rows, T = 1, k = V.
 """
 
 import argparse

@@ -22,7 +22,7 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    q = p or E_q[A | h] = 0, and follows the sign of the prefix's mean advantage (positive pulls
 #    p toward q, negative pushes it away). The second term is the signal.
 # 5. Drift accumulates. The sampler, rebuilt from each step's weights, is biased the same way
-#    again (same quantiser, same noise): a target that moves with the trainer, without bound. A
+#    again (same quantiser, same noise): a target that moves with the trainer, no bound in logits. A
 #    frozen sampler is a fixed target: drift pulls p to it, no further (pushed away: no bound).
 # 6. A group-mean baseline (GRPO) zeroes the group's mean advantage, not E_q[A | h] at each prefix:
 #    drift survives it in sequences (in a one-step bandit, one prefix for all, it vanishes exactly).
