@@ -22,8 +22,8 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    q = p or E_q[A | h] = 0, and follows the sign of the prefix's mean advantage (positive pulls
 #    p toward q, negative pushes it away). The second term is the signal.
 # 5. Drift accumulates. The sampler, rebuilt from each step's weights, is biased the same way
-#    again (same quantiser, same noise): a target that moves with the trainer, no bound in logits. A
-#    frozen sampler is a fixed target: drift pulls p to it, no further (pushed away: no bound).
+#    again (same quantiser, same noise): a target that moves with p, no bound in logits. A frozen
+#    one is a fixed target: pulled, p stops at it; pushed, no bound. A stale one trails p instead.
 # 6. A group-mean baseline (GRPO) zeroes the group's mean advantage, not E_q[A | h] at each prefix:
 #    drift survives it in sequences (in a one-step bandit, one prefix for all, it vanishes exactly).
 # 7. Score centering subtracts the sampler-expected score from every token's score:

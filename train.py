@@ -1,8 +1,9 @@
-"""'GRPO' on GSM8K or a CPU sequence task, with a sampler of other numerics than the trainer's.
+"""'GRPO' on GSM8K or a CPU task, with a sampler of other numerics than the trainer's.
 
     python train.py --center                       # Qwen3-0.6B on GSM8K, score-centred
     python train.py --compare --out runs/gsm8k     # centring off, then on: same seed and noise
     python train.py --task sequence --compare      # what drift costs, on a CPU: about 40 s
+    python train.py --task chain --compare         # GSM8K's shape: one reward after a long answer
 
 What it is: REINFORCE with a group-mean baseline, whose rollouts come from a copy of the policy that
 runs with other numerics (bf16 / int8 / fp8 weights, int8 / int4 / fp8 KV cache, fixed weight noise,
@@ -434,8 +435,8 @@ def main(argv=None):
     harness.start(args)
 
     def work():
-        task = tasks.load(args, shardings)  # --plan: config.json alone; bad input: one line
-        if args.plan:
+        task = tasks.load(args, shardings)  # bad input: one line
+        if args.plan:  # then `task` is the model's config.json alone, and (0,) stands in for eos
             return plan.plan(args, dict(task), build(args, task, (0,)), shardings, lora_init)
         fn = build(args, task.cfg, task.eos)
         if args.compare:
