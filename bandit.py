@@ -5,8 +5,8 @@
 The policy is V logits; the sampler's are the trainer's plus a fixed random offset (a persistent
 bias, like a quantiser's). A rollout is one token, rewarded 1 with its arm's success rate. With raw
 rewards the mean advantage is positive, so score_centering.py's drift term (step 4) pulls the
-policy toward the sampler every step: refreshed from the trainer (online), it walks away without
-bound in logits (drift, TV(p_t, p_0), nears 1); frozen, it stops. Letters: B rows, T = 1, k = V.
+policy toward the sampler every step: refreshed from the trainer (online), it walks without bound
+in logits (drift, TV(p_t, p_0), nears its maximum 1 − 1/V); frozen, it stops. B rows, T = 1, k = V.
 """
 
 import argparse
@@ -73,7 +73,7 @@ def main(argv=None):
     p.add_argument("--noise", type=float, default=0.5, help="std of the sampler's logit offset")
     p.add_argument("--tis-cap", type=float, help="truncated IS, weight min(p/q, C)")
     p.add_argument("--seed", type=int, default=0, help="of the toy and of the rollouts")
-    p.add_argument("--plot", metavar="FILE", help="draw drift against steps into FILE (a PNG)")
+    p.add_argument("--plot", metavar="FILE", help="plot drift by step to FILE (.png, .pdf, .svg)")
     args = p.parse_args(argv)
     cap_ok = args.tis_cap is None or args.tis_cap > 0  # omitted: no IS; inf: untruncated IS
     if not (args.steps >= 1 and 0 < args.lr < jnp.inf and 0 <= args.noise < jnp.inf and cap_ok):

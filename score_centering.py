@@ -28,8 +28,8 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    drift survives it in sequences (in a one-step bandit, one prefix for all, it vanishes exactly).
 # 7. Score centering subtracts the sampler-expected score from every token's score:
 #    s̃_y = s_y − Σ_v q(v) s_v. Then E_q[s̃_y] = 0 and E_q[A s̃_y] = Cov_q(A, s_y): drift gone,
-#    signal kept (as q weighs it; step 9's weights move it toward p's). In logit space the
-#    centred score is e_y − q instead of e_y − p.
+#    signal kept (weighted by q, not p; step 9's importance weights reweight it toward p). In
+#    logit space the centred score is e_y − q instead of e_y − p.
 # 8. As a loss per trained token, with sg = stop-gradient (q is data, never differentiated):
 #    ℓ_t = −sg(A) · [log p(y_t) − Σ_v sg(q(v)) · log p(v)].
 #    The batch loss is the mean over trained tokens, each weighted the same at any sequence length.
@@ -100,7 +100,7 @@ def loss(
     """Token-mean policy-gradient loss with optional score centering and truncated or masked IS.
 
     logits [B, T, V]: the trainer's logits at the positions that predicted `tokens` [B, T];
-    mask [B, T] (True = trained); advantages [B] or [B, T] (a constant);
+    mask [B, T] (True = trained); advantages [B] or [B, T] (detached);
     sampler_logprobs [B, T] = log q(tokens);
     head_logprobs, head_ids [B, T, k]: the sampler's top-k log q (normalised over the full
     vocabulary) and ids, as jax.lax.top_k returns them; or the full log q [B, T, V] alone (exact);
