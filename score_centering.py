@@ -150,7 +150,8 @@ def loss(
     log_f_y = log_m(0.0, log_ratio)  # log f(r_y), as f(r) = m(1, r)
     if weighted:  # the share of tokens weighted below their r (TIS: capped; MIS: masked)
         metrics[weighted] = token_mean(log_f_y < log_ratio)
-    score = jnp.exp(log_f_y) * logp_y  # sg(f(r_y)) log p(y)
+    f_y = jnp.exp(log_f_y)  # sg(f(r_y)): a weight 0 weighs 0, even at p(y) = 0 (a -inf logit)
+    score = jnp.where(f_y == 0, 0.0, f_y * logp_y)  # sg(f(r_y)) log p(y)
     if head_logprobs is None:  # no sampler distribution: nothing to centre
         return -token_mean(A * score), metrics
 

@@ -609,6 +609,57 @@ def test_neg_inf_logit_off_the_head_and_sample_stays_finite(kw):
     )
 
 
+@pytest.mark.parametrize("kw", [dict(mis=(0.5, 5.0)), dict(mis=(0.0, 1.0)), dict(tis_cap=2.0)])
+@pytest.mark.parametrize("head", ["top-k", "exact"])
+def test_a_sampled_token_the_trainer_rules_out_has_weight_0_and_contributes_0(kw, head):
+    """Two sampled tokens (one in the head, one off it) whose trainer logit is -inf: p(y) = 0, so
+    r = 0 and MIS and TIS weight them f(0) = 0, and f(r) log p(y) = 0 · log 0 counts as 0 (not
+    NaN). The loss, gradient and metrics are their limit, the logit 60 below its row's lowest
+    (p(y) < e^-60); only the estimates of KL(q ‖ p) are +inf, as KL is when p(y) = 0 <
+    q(y); the share weighted below r counts f(r) < r, which r = 0 is not. Uncentred, such a token
+    adds what a token of advantage 0 adds (nothing, and it counts in the token mean); centred, its
+    centring term stays: it does not depend on y."""
+    d = _batch(26)  # trained tokens sampled in the head and off it
+    y, ids, mask = np.asarray(d["y"]), np.asarray(d["ids"]), np.asarray(d["mask"])
+    in_head = (ids == y[..., None]).any(-1)
+    dead = [np.argwhere(mask & in_head)[0], np.argwhere(mask & ~in_head)[0]]  # (b, t) each
+    low, ruled_out = np.asarray(d["z"]).copy(), np.asarray(d["z"]).copy()
+    for b, t in dead:
+        low[b, t, y[b, t]] = low[b, t].min() - 60.0
+        ruled_out[b, t, y[b, t]] = -np.inf
+    full = dict(head_logprobs=d["logq"])
+    top_k = dict(head_ids=d["ids"], head_logprobs=d["logq_H"])
+    heads = full if head == "exact" else top_k
+
+    def value_grad(z, center=True, A=d["A"]):
+        def f(z):
+            return sc.loss(z, d["y"], d["mask"], A, d["logq_y"], **heads, center=center, **kw)
+
+        return jax.value_and_grad(f, has_aux=True)(z)
+
+    # centred and uncentred: the limit of a low finite logit
+    for center in (True, False):
+        (v, metrics), g = value_grad(jnp.asarray(ruled_out), center)
+        (v_low, metrics_low), g_low = value_grad(jnp.asarray(low), center)
+        np.testing.assert_allclose(v, v_low, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(g, g_low, rtol=1e-5, atol=1e-6)
+        for name, x in metrics.items():
+            if name in ("kl_q_p", "logprob_gap"):
+                assert float(x) == np.inf, (name, x)
+            elif name in ("mis_masked", "tis_capped"):
+                assert 0 <= float(x) <= 1, (name, x)
+            else:
+                np.testing.assert_allclose(x, metrics_low[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+    # uncentred: the same batch with the tokens' advantage 0 (their logits finite)
+    A = jnp.broadcast_to(d["A"][:, None], mask.shape)
+    for b, t in dead:
+        A = A.at[b, t].set(0.0)
+    (v0, _), g0 = value_grad(d["z"], False, A)
+    np.testing.assert_allclose(v, v0, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(tis_cap=2.0), dict(mis=(0.5, 5.0))])
 def test_tokens_both_p_and_q_rule_out_change_nothing_under_exact_centring(kw):
     """Exact centring (the whole log q recorded) with two tokens at -inf in the trainer's logits
