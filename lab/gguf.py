@@ -2,8 +2,9 @@
 checkpoint folder, which train.py's --model takes and transformers loads: config.json,
 model.safetensors (float32, each tensor dequantised by the gguf package) and the tokenizer
 (tokenizer.json, and tokenizer_config.json with the file's own chat template). Dense Llama files
-only (SmolLM2, the Llama 3 shapes). Everything is checked and converted in memory before OUT_DIR
-is made. D model width, N query heads, K key/value heads, H head dimension, V vocab."""
+only (SmolLM2, the Llama 3 shapes), whose tokenizer.ggml.pre is one of PRE_TOKENIZERS. Everything
+is checked and converted in memory before OUT_DIR is made. D model width, N query heads, K
+key/value heads, H head dimension, V vocab."""
 
 import argparse
 import importlib
@@ -30,6 +31,22 @@ LAYER = dict(  # a layer's tensors: GGUF's names, Hugging Face's
 )
 TOP = dict(token_embd="model.embed_tokens", output_norm="model.norm", output="lm_head")
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type of special and added tokens
+# tokenizer.ggml.pre (absent: "default") -> the split regex written, as transformers' GGUF loader
+# reads the field: None is ByteLevel's own, GPT-2's (llama.cpp isolates each \p{N} first for
+# "smollm", which changes nothing: no SmolLM2 token joins one to another character); Llama 3's
+# cuts digit runs into 1-3
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {
+    "default": None,
+    "gpt-2": None,
+    "smollm": None,
+    "llama-bpe": LLAMA3_PATTERN,
+    "llama3": LLAMA3_PATTERN,
+    "llama-v3": LLAMA3_PATTERN,
+}
 
 
 def hf_name(name):  # "blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight"
@@ -102,10 +119,14 @@ def weights(reader, cfg, file):
 
 
 def tokenizer_files(field, file):
-    """tokenizer.json (byte-level BPE: the file's tokens, merges, control tokens; GPT-2's split)
-    and tokenizer_config.json (the special tokens by name, the chat template)."""
+    """tokenizer.json (byte-level BPE: the file's tokens, merges, control and user-defined tokens;
+    the split its tokenizer.ggml.pre names) and tokenizer_config.json (the special tokens by name,
+    the chat template)."""
     if field("tokenizer.ggml.model") != "gpt2":
         raise ValueError(f"{file}: tokenizer {field('tokenizer.ggml.model')!r}, not byte-level BPE")
+    pre = field("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"{file}: pre-tokenizer {pre!r}, not one of {', '.join(PRE_TOKENIZERS)}")
     tokens, kinds = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
     added = [
         dict(id=i, content=tokens[i], single_word=False, lstrip=False, rstrip=False)
@@ -114,11 +135,16 @@ def tokenizer_files(field, file):
         if kinds[i] in (CONTROL, USER_DEFINED)
     ]
     byte_level = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=True)
+    pre_tokenizer, pattern = byte_level, PRE_TOKENIZERS[pre]
+    if pattern:  # the file's split, then ByteLevel without GPT-2's
+        split = dict(type="Split", pattern=dict(Regex=pattern), behavior="Isolated", invert=False)
+        pieces = [split, byte_level | dict(use_regex=False)]
+        pre_tokenizer = dict(type="Sequence", pretokenizers=pieces)
     model = dict(type="BPE", dropout=None, unk_token=None, fuse_unk=False, byte_fallback=False)
     model |= dict(vocab={t: i for i, t in enumerate(tokens)})
     model |= dict(merges=[m.split(" ") for m in field("tokenizer.ggml.merges")])
     tokenizer_json = dict(version="1.0", added_tokens=added, normalizer=None)
-    tokenizer_json |= dict(pre_tokenizer=byte_level, decoder=byte_level, model=model)
+    tokenizer_json |= dict(pre_tokenizer=pre_tokenizer, decoder=byte_level, model=model)
 
     def name(key):  # a special token's text, by its id field
         i = field(f"tokenizer.ggml.{key}_token_id", None)
@@ -158,8 +184,9 @@ def convert(file, out_dir):
         return reader.fields[key].contents() if key in reader.fields else default
 
     cfg = config(field, file)
+    files = tokenizer_files(field, file)  # a tokenizer refused before any dequantising
     arrays = weights(reader, cfg, file)
-    files = tokenizer_files(field, file) | {"config.json": cfg}
+    files["config.json"] = cfg
     metadata = {"format": "pt", "converted_from": os.path.basename(file)}
     data = hf_checkpoint.safetensors(arrays, "F32", metadata)
 
