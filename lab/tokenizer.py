@@ -46,9 +46,14 @@ def split_rules(tokenizer_json, file):
     pre = tokenizer_json.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", [pre])
     norm = (tokenizer_json.get("normalizer") or {}).get("type")
-    other = [p.get("type") for p in parts if p.get("type") not in ("Split", "ByteLevel")]
-    if other or norm not in (None, "NFC"):
-        raise ValueError(f"{file}: normaliser {norm}, pre-tokenizers {other}: not supported")
+    types = [p.get("type") for p in parts]
+    refused = [f"pre-tokenizer {t}" for t in types if t not in ("Split", "ByteLevel")]
+    refused += ["ByteLevel's add_prefix_space" for p in parts if p.get("add_prefix_space")]
+    refused += [f"normaliser {norm}"] if norm not in (None, "NFC") else []
+    if refused:
+        raise ValueError(
+            f"{file}: {', '.join(refused)}: not supported (Split and ByteLevel, NFC or none)"
+        )
     splits = [p["pattern"]["Regex"] for p in parts if p.get("type") == "Split"]
     return (splits or [GPT2_PATTERN])[0], norm == "NFC"
 

@@ -11,6 +11,7 @@ import unicodedata
 import jax.numpy as jnp
 import pytest
 
+from helpers import TINY_SPECIAL
 from lab import tokenizer
 
 
@@ -34,6 +35,46 @@ def test_decode_skips_ids_without_a_token(tiny):
     ids = tok.encode("the and") + [unused, 280] + tok.encode(" 12<|im_end|>")
     assert tok.decode(ids) == "the and 12<|im_end|>"
     assert tok.decode(jnp.array(ids)) == "the and 12<|im_end|>"  # as a sampler returns them
+
+
+def byte_level_json(tiny, folder, pre_tokenizer):
+    """tiny's vocabulary, merges and special tokens as tokenizer.json, written by the tokenizers
+    library with no normaliser and the given pre-tokenizer; returns that library's tokenizer."""
+    tokenizers = pytest.importorskip("tokenizers")
+    model = tokenizers.models.BPE.from_file(f"{tiny.path}/vocab.json", f"{tiny.path}/merges.txt")
+    ref = tokenizers.Tokenizer(model)
+    ref.pre_tokenizer = pre_tokenizer
+    ref.decoder = tokenizers.decoders.ByteLevel()
+    ref.add_special_tokens(TINY_SPECIAL)
+    ref.save(f"{folder}/tokenizer.json")
+    return ref
+
+
+def test_gpt2_split_without_a_normaliser_matches_tokenizers_library(tiny, tmp_path):
+    # ByteLevel alone splits with GPT-2's regex (digit runs whole), and nothing normalises: a
+    # decomposed accent stays two code points
+    tokenizers = pytest.importorskip("tokenizers")
+    ref = byte_level_json(tiny, tmp_path, tokenizers.pre_tokenizers.ByteLevel(False))
+    tok = tokenizer.load_tokenizer(str(tmp_path), {"eos_token_id": 277})
+    for text in ["Cafe\u0301 naïve", "12345678 12121212 x1212", "<|im_end|>  1212\n\n1"]:
+        assert tok.encode(text) == ref.encode(text).ids, text
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("12121212") == [ref.token_to_id("12")] * 4  # a run, not groups of 3
+
+
+def test_unsupported_pre_tokenizers_are_refused_by_name(tiny, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    pre = tokenizers.pre_tokenizers
+    gpt2 = byte_level_json(tiny, tmp_path, pre.ByteLevel(False)).encode("12 x").ids
+    for pre_tokenizer, name in [
+        (pre.Sequence([pre.Digits(individual_digits=True), pre.ByteLevel(False)]), "Digits"),
+        (pre.ByteLevel(add_prefix_space=True), "ByteLevel's add_prefix_space"),
+        (pre.Whitespace(), "Whitespace"),
+    ]:
+        ref = byte_level_json(tiny, tmp_path, pre_tokenizer)
+        assert ref.encode("12 x").ids != gpt2  # not GPT-2's split: to refuse, not to ignore
+        with pytest.raises(ValueError, match=f"tokenizer.json: .*{name}.*: not supported"):
+            tokenizer.load_tokenizer(str(tmp_path), {"eos_token_id": 277})
 
 
 def qwen_tokenizer_files():
