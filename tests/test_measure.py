@@ -1,14 +1,16 @@
-"""lab/measure.py: the drift measure's two gradients are the train step's, and its problems are
-GSM8K lines whose gold answers are their stories' arithmetic."""
+"""lab/measure.py: the drift measure's two gradients are the train step's; each measure's numbers
+(mismatch, drift, accuracy) on the tiny model against a direct computation from its sampler's own
+record; its problems are GSM8K lines whose gold answers are their stories' arithmetic."""
 
 import re
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import train
 from helpers import STOP, _prompts
@@ -40,6 +42,86 @@ def test_the_drift_measures_gradients_are_the_train_steps(tiny):
     logp = train.token_logp(tiny.cfg, tiny.weights, batch)  # the trainer's log p, its own pass
     kl = jnp.where(out["mask"], out["logq"] - logp, 0).sum()
     np.testing.assert_allclose(kl_sum, kl, atol=1e-4 * n_tokens)  # the token sum of log q − log p
+
+
+def recording(records):
+    """train.py, but each call of a sampler it makes appends {its prompt, pos and record} to
+    records: what a measure sampled, to recompute its numbers from."""
+
+    def make_sampler(*args, **kwargs):
+        sampler = train.make_sampler(*args, **kwargs)
+
+        def sample(w, prompt, pos, key):
+            out = sampler(w, prompt, pos, key)
+            records.append(jax.device_get(dict(out, prompt=prompt, pos=pos)))
+            return out
+
+        return sample
+
+    return types.SimpleNamespace(**(vars(train) | dict(make_sampler=make_sampler)))
+
+
+def even_first(tokens, mask, golds):  # a reward: 1 when a completion's first token is even
+    return [float(row[0] % 2 == 0) for row in tokens]
+
+
+def tiny_measure(tiny, rows=8):
+    """A Task of `rows` random prompts (train and test alike) that end at STOP, rewarded by
+    even_first; the flags the measures read, as measure.parse and main set them."""
+    rng = np.random.default_rng(0)
+    problems = [(list(rng.integers(0, 256, n)), "0") for n in rng.integers(3, 12, rows)]
+    pad = tiny.tokenizer.pad_id
+    task = tasks.Task(tiny.cfg, tiny.weights, STOP, pad, problems, problems, [], even_first, None)
+    data = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
+    flags = dict(max_tokens=8, rows=rows, micro_batch=4, prompts=2, group=4, n=rows, data=data)
+    return task, types.SimpleNamespace(**flags)
+
+
+def test_mismatch_is_the_token_mean_of_log_q_minus_log_p(tiny):
+    task, args = tiny_measure(tiny)
+    records = []
+    r = measure.mismatch(recording(records), args, task, ("int8", 0.0, None), seed=0)
+    (rec,) = records
+    mask = rec["mask"]
+    logp = np.asarray(train.token_logp(tiny.cfg, tiny.weights, rec))
+    diff = (rec["logq"] - logp)[mask]  # on q's own samples
+    assert r["tokens"] == mask.sum() > 20 and r["rows"] == 8
+    assert abs(r["kl_q_p"] - diff.mean()) < 1e-5 < abs(diff.mean()) / 10  # its sign included
+    assert abs(r["abs_diff"] - np.abs(diff).mean()) < 1e-5
+    head = np.exp(rec["head_logq"]).sum(-1)[mask]  # q's top-128 of 300 tokens
+    assert abs(r["head_mass"] - head.mean()) < 1e-5 and 0.4 < r["head_mass"] < 1
+
+
+def test_drift_is_the_drift_terms_norm_over_the_centred_gradients(tiny):
+    # 2 prompts x 4 rollouts from a sampler with 5% weight noise; the group baseline by hand
+    task, args = tiny_measure(tiny)
+    records = []
+    r = measure.drift(recording(records), args, task, ("bf16", 0.05, None), seed=0)
+    (rec,) = records
+    rewards = np.array(even_first(rec["tokens"], rec["mask"], None)).reshape(2, 4)
+    adv = (rewards - rewards.mean(1, keepdims=True)).ravel()
+    g_u, g_c, _ = measure.gradients(train, tiny.cfg, tiny.weights, dict(rec, adv=adv), rows=4)
+    norm_u, norm_c = float(jnp.linalg.norm(g_u)), float(jnp.linalg.norm(g_c))
+    norm_d = float(jnp.linalg.norm(g_u - g_c))
+    assert abs(norm_u - norm_c) > 0.01 * norm_c  # dividing by |g_u| would show
+    assert abs(r["drift_over_signal"] - norm_d / norm_c) < 1e-4 < norm_d / norm_c / 100
+    assert abs(r["cos"] - float(g_u @ g_c) / (norm_u * norm_c)) < 1e-4
+    assert r["reward"] == rewards.mean() and r["mixed_groups"] == (rewards.std(1) > 0).sum() > 0
+    mask = rec["mask"]
+    logp = np.asarray(train.token_logp(tiny.cfg, tiny.weights, rec))
+    kl_q_p = (rec["logq"] - logp)[mask].mean()
+    assert r["tokens"] == mask.sum() and abs(r["kl_q_p"] - kl_q_p) < 1e-5 < abs(kl_q_p) / 10
+
+
+def test_accuracy_is_the_share_rewarded_and_ended_the_share_with_an_eos(tiny):
+    task, args = tiny_measure(tiny)
+    records = []
+    r = measure.accuracy(recording(records), args, task, ("bf16", 0.0, None), seed=0)
+    (rec,) = records
+    rows = zip(rec["tokens"], rec["mask"], strict=True)
+    ended = [any(t in STOP for t in row[m]) for row, m in rows]  # an eos among its tokens
+    assert r["ended"] == np.mean(ended) and 0 < r["ended"] < 1
+    assert r["accuracy"] == np.mean(even_first(rec["tokens"], rec["mask"], None)) and r["n"] == 8
 
 
 def test_the_arithmetic_problems_read_as_gsm8k_with_their_storys_answer(tmp_path):
