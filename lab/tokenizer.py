@@ -43,19 +43,28 @@ def split_rules(tokenizer_json, file):
     alone: Qwen2Tokenizer's. Any other rule is refused: it would split text differently."""
     if not tokenizer_json:
         return QWEN2_PATTERN, True
+
+    # the rules: the regexes that split the text (each Split's, GPT-2's where ByteLevel has
+    # use_regex), the pre-tokenizers' types, the normaliser
     pre = tokenizer_json.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", [pre])
-    norm = (tokenizer_json.get("normalizer") or {}).get("type")
+    byte_level = [p for p in parts if p.get("type") == "ByteLevel"]
+    regexes = [p.get("pattern", {}).get("Regex") for p in parts if p.get("type") == "Split"]
+    regexes += [GPT2_PATTERN for p in byte_level if p.get("use_regex", True)]
     types = [p.get("type") for p in parts]
+    norm = (tokenizer_json.get("normalizer") or {}).get("type")
+
+    # refused: what one tiktoken regex and an optional NFC would not reproduce
     refused = [f"pre-tokenizer {t}" for t in types if t not in ("Split", "ByteLevel")]
-    refused += ["ByteLevel's add_prefix_space" for p in parts if p.get("add_prefix_space")]
+    refused += ["ByteLevel's add_prefix_space" for p in byte_level if p.get("add_prefix_space")]
+    refused += ["a Split on a string"] if None in regexes else []
+    refused += [f"{len(regexes)} split regexes"] if len(regexes) != 1 else []
     refused += [f"normaliser {norm}"] if norm not in (None, "NFC") else []
     if refused:
         raise ValueError(
-            f"{file}: {', '.join(refused)}: not supported (Split and ByteLevel, NFC or none)"
+            f"{file}: {', '.join(refused)}: not supported (one split regex, NFC or no normaliser)"
         )
-    splits = [p["pattern"]["Regex"] for p in parts if p.get("type") == "Split"]
-    return (splits or [GPT2_PATTERN])[0], norm == "NFC"
+    return regexes[0], norm == "NFC"
 
 
 def chat_template(path, tokenizer_config):

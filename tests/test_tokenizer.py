@@ -1,6 +1,7 @@
-"""lab/tokenizer.py, byte-level BPE: the tiny tokenizer against transformers, Qwen3's against
-the tokenizers library, its chat template and Qwen's own tiktoken ranks (skipped when those files
-are not installed)."""
+"""lab/tokenizer.py, byte-level BPE: the tiny tokenizer against transformers, and as tokenizer.json
+with GPT-2's split against the tokenizers library (the rules it cannot follow refused by name);
+Qwen3's against the tokenizers library, its chat template and Qwen's own tiktoken ranks (skipped
+when those files are not installed)."""
 
 import base64
 import importlib.util
@@ -63,16 +64,20 @@ def test_gpt2_split_without_a_normaliser_matches_tokenizers_library(tiny, tmp_pa
 
 
 def test_unsupported_pre_tokenizers_are_refused_by_name(tiny, tmp_path):
+    # each splits "12 x  b" otherwise than GPT-2's regex would: to refuse, not to ignore
     tokenizers = pytest.importorskip("tokenizers")
     pre = tokenizers.pre_tokenizers
-    gpt2 = byte_level_json(tiny, tmp_path, pre.ByteLevel(False)).encode("12 x").ids
+    text, qwen2 = "12 x  b", pre.Split(tokenizers.Regex(tokenizer.QWEN2_PATTERN), "isolated")
+    gpt2 = byte_level_json(tiny, tmp_path, pre.ByteLevel(False)).encode(text).ids
     for pre_tokenizer, name in [
         (pre.Sequence([pre.Digits(individual_digits=True), pre.ByteLevel(False)]), "Digits"),
         (pre.ByteLevel(add_prefix_space=True), "ByteLevel's add_prefix_space"),
         (pre.Whitespace(), "Whitespace"),
+        (pre.Sequence([qwen2, pre.ByteLevel(False, use_regex=True)]), "2 split regexes"),
+        (pre.ByteLevel(False, use_regex=False), "0 split regexes"),
     ]:
         ref = byte_level_json(tiny, tmp_path, pre_tokenizer)
-        assert ref.encode("12 x").ids != gpt2  # not GPT-2's split: to refuse, not to ignore
+        assert ref.encode(text).ids != gpt2, name
         with pytest.raises(ValueError, match=f"tokenizer.json: .*{name}.*: not supported"):
             tokenizer.load_tokenizer(str(tmp_path), {"eos_token_id": 277})
 
