@@ -98,11 +98,7 @@ def declare(p, defaults=True):  # defaults=False: none, to see which flags were 
 
     group = p.add_argument_group("evaluation: greedy, clean bf16; the drift meter")
     a("--eval-every", "evaluate every N steps", type=int)
-    a(
-        "--eval-n",
-        "held-out prompts: the first N GSM8K test problems; N tiny-task prompts",
-        type=int,
-    )
+    a("--eval-n", "held-out prompts: GSM8K's first N test problems, N tiny-task ones", type=int)
     a("--probe-n", "drift meter prompts (gsm8k: the first N test problems)", type=int, default=64)
 
 
@@ -139,8 +135,14 @@ CHECKS = [  # (a test of the flags a: what is wrong, if anything; what to say, f
         "--mis LO,HI needs 0 <= LO < HI, got {a.mis}",
     ),
     (
+        lambda a: a.B > 0 and a.B % a.devices,  # no micro-batch fits, the default neither
+        "--prompts x --group = {a.B} rollouts must be a multiple of the {a.devices} devices",
+    ),
+    (
         lambda a: (
-            min(a.B, a.micro_batch) > 0 and (a.B % a.micro_batch or a.micro_batch % a.devices)
+            min(a.B, a.micro_batch) > 0
+            and not a.B % a.devices  # else the check above says it
+            and (a.B % a.micro_batch or a.micro_batch % a.devices)
         ),
         "--micro-batch {a.micro_batch} must divide --prompts x --group = {a.B} and be a multiple "
         "of the {a.devices} devices",
@@ -157,10 +159,7 @@ CHECKS = [  # (a test of the flags a: what is wrong, if anything; what to say, f
         "and --kv-quant",
     ),
     (lambda a: a.compare and a.center, "--compare runs centring off and on: drop --center"),
-    (
-        lambda a: a.mis and a.tis_cap is not None,
-        "--mis and --tis-cap are two importance weights: pick one",
-    ),
+    (lambda a: a.mis and a.tis_cap is not None, "--mis and --tis-cap: pick one importance weight"),
     (lambda a: a.baseline == "group" and a.group < 2, "--baseline group needs --group >= 2"),
     (lambda a: "lora_alpha" in a.given and not a.lora, "--lora-alpha needs --lora"),
     (
@@ -237,8 +236,7 @@ def save_dir_problem(path):  # why save() would refuse the folder, or ""
 
 
 def mistakes(args, given):
-    """Every mistake in the flags, one line each: what is wrong and what to do instead. given: the
-    flags typed on the command line."""
+    """Every mistake in the flags, one line each: what is wrong, what to do; given: typed flags."""
     B, where = args.prompts * args.group, args.resume or args.out  # B = P·G
     a = argparse.Namespace(**vars(args), given=given, B=B, devices=jax.device_count(), where=where)
     errors = [
@@ -253,7 +251,7 @@ def mistakes(args, given):
     return errors
 
 
-def run_config(args):  # the flags a resumed run starts from and must share (but --save-every)
+def run_config(args):  # the flags a resumed run starts from and must share (but `free` below)
     ignored = ("out", "resume", "save", "plot", "workers")  # may change at a --resume
     return {k: v for k, v in vars(args).items() if k not in ignored}
 
@@ -266,7 +264,8 @@ def typed(argv):  # the flags typed on the command line, whatever their values
 
 def changed_since(args, was):  # a --resume: the first flag that differs from its run.json
     now = json.loads(json.dumps(run_config(args)))  # as run.json holds it: tuples are lists
-    changed = [k for k, v in now.items() if was.get(k) != v and k != "save_every"]
+    free = ("save_every", "micro_batch")  # a micro-batch: rounding alone; one for other devices
+    changed = [k for k, v in now.items() if was.get(k) != v and k not in free]
     message = "--resume {} was started with {} {}, not {}: use the same flags"
     return [message.format(args.resume, flag(k), was.get(k), now[k]) for k in changed[:1]]
 

@@ -153,6 +153,50 @@ def test_bad_paths_fail_before_anything_is_written(tmp_path, gsm, capsys, monkey
     assert "--resume DIR continues the run in DIR" in msg
 
 
+def test_a_batch_the_micro_batches_or_devices_cannot_split_is_refused_in_one_line(
+    tmp_path, gsm, capsys, monkeypatch
+):
+    """B = P·G rows go through the train step --micro-batch rows at a time, each split evenly over
+    the devices: a micro-batch that does not divide B, or is not a multiple of the devices, is
+    refused in one line; a B the devices cannot share (then no size fits, the default neither)
+    is named as such, not as a --micro-batch nobody typed. Both before anything is loaded or
+    compiled: in a run, a --compare, a --sweep, --plan and a --resume; a --resume on other
+    devices may pick a size that fits them."""
+
+    def never(*a, **kw):
+        raise AssertionError("loaded, though the batch cannot be split")
+
+    monkeypatch.setattr(tasks, "load", never)
+    assert jax.device_count() == 4  # conftest.py's CPU devices
+    seq = ["--task", "sequence"]  # B = 4 prompts x 8 = 32 rows: 4, 8, 16 or 32 a pass fit
+    for argv in (
+        [*seq, "--micro-batch", "5"],
+        [*seq, "--micro-batch", "2"],  # divides 32, but half a row a device
+        [*seq, "--micro-batch", "64"],
+        [*seq, "--compare", "--micro-batch", "12"],
+        [*seq, "--sweep", "0,int8", "--micro-batch", "12"],
+        [*seq, "--plan", "--micro-batch", "12"],
+        tiny_argv(gsm, "--prompts", "4", "--group", "8", "--micro-batch", "12"),
+    ):
+        msg = _error(argv, capsys)
+        assert "--micro-batch" in msg and "= 32 and be a multiple of the 4 devices" in msg, msg
+    for argv in (
+        [*seq, "--prompts", "3", "--group", "2"],
+        [*seq, "--sweep", "--prompts", "5", "--group", "2"],
+    ):
+        msg = _error(argv, capsys)  # the default micro-batch: no size fits
+        assert "must be a multiple of the 4 devices" in msg and "--micro-batch" not in msg, msg
+
+    # a run started where 2 rows a pass fit (one or two devices), resumed on 4
+    run = tmp_path / "run"
+    run.mkdir()
+    config = harness.run_config(harness.parse_args(seq)) | dict(micro_batch=2)
+    (run / "run.json").write_text(json.dumps(config))
+    msg = _error(["--resume", str(run)], capsys)
+    assert "--micro-batch 2 must divide" in msg, msg
+    assert harness.parse_args(["--resume", str(run), "--micro-batch", "8"]).micro_batch == 8
+
+
 @pytest.mark.parametrize(
     "content, match",
     [
