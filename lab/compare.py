@@ -37,11 +37,22 @@ def compare(args, task, fn, run):
                 prefix = f"{level} {name}: " if args.sweep else f"{name}: "
                 job = (level_args, by_seed[seed], fn, center, seed, out, prefix)
                 results[level][name] = pool.submit(run, *job)
-    pool.shutdown()  # waits for every run
+    wait(results, pool)
     results = {level: {k: job.result() for k, job in res.items()} for level, res in results.items()}
     if args.sweep:
         return sweep.report(args, results, time.perf_counter() - start)
     return report(args, task.cfg, results[level])
+
+
+def wait(results, pool):
+    """Every run to its end; a run that fails stops the compare there: the runs queued behind it
+    never start, nor write."""
+    jobs = [job for res in results.values() for job in res.values()]
+    try:
+        for job in concurrent.futures.as_completed(jobs):
+            job.result()
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def verdict(runs, score="accuracy"):  # runs: [{"uncentered": summary, "centered": summary}], seeds

@@ -13,7 +13,6 @@ import time
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from lab import devices, hf_checkpoint, tasks
 
@@ -306,7 +305,7 @@ def parse_args(argv=None, description=None):
 
 
 # -------------------------------------------------------------------------------------------------
-# the run's files: run.json, logs and metrics.jsonl, the resumable state; Ctrl-C
+# the run's files: run.json, logs and metrics.jsonl, the resumable state; Ctrl-C; tables
 
 
 def strict(x):  # NaN and ±inf as null, so that every file is JSON that strict parsers read
@@ -317,8 +316,9 @@ def strict(x):  # NaN and ±inf as null, so that every file is JSON that strict 
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-LOCK = threading.Lock()  # held while a file is written: Ctrl-C waits for it
+LOCK = threading.RLock()  # held while files are written (atomic's within): Ctrl-C waits for it
 PROGRESS = {}  # where the run is, for Ctrl-C's message
+RUN_JSON = {}  # {--out: its run.json} until the first row: a start that fails writes nothing
 
 
 def atomic(file, write, mode="w"):  # write(f) to a temporary name, then rename: old file or new
@@ -334,12 +334,10 @@ def atomic(file, write, mode="w"):  # write(f) to a temporary name, then rename:
         os.replace(file + ".tmp", file)
 
 
-def start(args):  # the run's folder and run.json (not rewritten by a resume), and the config line
-    if jax.process_count() > 1:  # every process has checked the flags before process 0 makes --out
-        multihost_utils.sync_global_devices("flags checked")
+def start(args):  # the config line; --out's run.json (a resume's is there) waits for a first row
+    RUN_JSON.clear()  # what a start that failed before, in this process, left unwritten
     if args.out and not args.resume:
-        os.makedirs(args.out, exist_ok=True)
-        atomic(f"{args.out}/run.json", lambda f: json.dump(run_config(args), f, indent=1))
+        RUN_JSON[args.out] = run_config(args)
     print("config " + json.dumps(vars(args)), flush=True)
 
 
@@ -364,8 +362,13 @@ def log_step(row, steps, out=None, prefix=""):  # "step 12/100 | reward  0.410 |
     line = " | ".join([f"{prefix}step {row['step']:>{len(str(steps))}}/{steps}", *cells])
     print(line + "\n", end="", flush=True)  # one write: the lines of parallel runs stay whole
     if out and not jax.process_index():  # process 0 appends it to out/metrics.jsonl
-        with LOCK, open(f"{out}/metrics.jsonl", "a") as f:
-            f.write(json.dumps(strict(row)) + "\n")
+        with LOCK:  # the first row writes --out's run.json, after every process checked the flags
+            os.makedirs(out, exist_ok=True)  # --out, or a --compare's run: a subfolder of it
+            for top, config in RUN_JSON.items():
+                atomic(f"{top}/run.json", lambda f, c=config: json.dump(c, f, indent=1))
+            RUN_JSON.clear()
+            with open(f"{out}/metrics.jsonl", "a") as f:
+                f.write(json.dumps(strict(row)) + "\n")
 
 
 def write_summary(out, summary, prefix=""):
@@ -381,9 +384,9 @@ def finished(out):  # the summary of a run that has ended (a --resume of it), el
 
 
 def recorder(args, out, hist, prefix=""):
-    """record(row, params, opt_state, w_sampler), train.grpo's: prints the step's line and appends
-    it to out/metrics.jsonl, keeps the evaluations and what the summary needs in hist, saves the
-    resumable state every --save-every steps, and tells Ctrl-C where the run is."""
+    """record(row, params, opt_state, w_sampler), train.grpo's: prints the step's line, appends it
+    to out/metrics.jsonl (the first row: --out's run.json too), keeps what the summary needs in
+    hist, saves the resumable state each --save-every steps, tells Ctrl-C where."""
     clock = [time.perf_counter()]
 
     def record(row, params, opt_state, w_sampler):
@@ -411,9 +414,7 @@ def recorder(args, out, hist, prefix=""):
             stale = w_sampler if args.staleness else None  # else rebuilt at the next step anyway
             trees = devices.host((params, opt_state, stale))
             save_state(os.path.join(out, "state.npz"), hist, *trees)
-        how = (
-            f"; python train.py --resume {args.out} continues from its state at step {hist['step']}"
-        )
+        how = f"; python train.py --resume {args.out} continues from step {hist['step']}"
         PROGRESS["where"] = f"at step {step + 1} of {out or 'a run without --out'}"
         PROGRESS["where"] += how if hist["step"] else ""
 
@@ -455,7 +456,6 @@ def save_state(file, hist, *trees):  # float32 leaves (bf16 widened exactly), th
 def resume(out, hist, *trees):  # hist and trees from out's state, if any; metrics.jsonl cut there
     if not out:
         return hist, trees
-    os.makedirs(out, exist_ok=True)  # a --compare's run: a subfolder
     file = os.path.join(out, "state.npz")
     if os.path.exists(file):
         with np.load(file) as z:
@@ -471,9 +471,10 @@ def resume(out, hist, *trees):  # hist and trees from out's state, if any; metri
             trees = tree.unflatten(leaves)  # typed and placed like the templates `trees`
         print(f"resumed {out} at step {hist['step']}", flush=True)
     # rows past the saved state, or cut by a kill mid-write, are the interrupted run's: logged again
-    rows = open(os.path.join(out, "metrics.jsonl")).readlines() if hist["step"] else []
-    rows = [r for r in rows if r.endswith("\n") and json.loads(r)["step"] < hist["step"]]
-    atomic(os.path.join(out, "metrics.jsonl"), lambda f: f.writelines(rows))
+    file = os.path.join(out, "metrics.jsonl")
+    if os.path.exists(file):  # else the run has logged no row, and wrote nothing yet
+        rows = [r for r in open(file) if r.endswith("\n") and json.loads(r)["step"] < hist["step"]]
+        atomic(file, lambda f: f.writelines(rows))
     return hist, trees
 
 
@@ -485,10 +486,6 @@ def interruptible(work):  # work() in a thread, so that Ctrl-C is honoured at on
             LOCK.acquire(timeout=60)  # a file being written is finished first: it stays valid
         print(f"\ninterrupted {PROGRESS.get('where', 'before the first step')}", flush=True)
         os._exit(130)
-
-
-# -------------------------------------------------------------------------------------------------
-# tables, figures and the verdict
 
 
 def table(first, rows, columns):  # {name: {column: value}} -> a fixed-width table; {column: format}

@@ -26,6 +26,7 @@ def test_resume_accepts_its_own_folder_as_out_however_spelled(tmp_path, monkeypa
     absolute path: accepted, and the run goes on in that folder."""
     monkeypatch.chdir(tmp_path)
     harness.start(harness.parse_args("--task sequence --steps 3 --out runs/a".split()))
+    harness.log_step({"step": 0}, 3, "runs/a")  # its first row: then run.json
     assert os.path.isfile("runs/a/run.json")
     for out in ("runs/a", "runs/a/", "./runs/a", str(tmp_path / "runs" / "a") + "/"):
         args = harness.parse_args(["--resume", "runs/a", "--out", out])

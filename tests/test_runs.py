@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 
 import score_centering as sc
 import train
-from helpers import _strict_json, _strip, tiny_argv
+from helpers import _strict_json, _strip, tiny_argv, write_gsm8k
 from lab import compare, harness, hf_checkpoint, tasks
 
 # the project root, where train.py is (run as a script by the Ctrl-C test)
@@ -246,6 +247,57 @@ def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(
     assert _strip(rows[0]) == _strip(rows[1]) and [r["step"] for r in rows[1]] == [0, 1, 2, 3, 4]
     a, b = (jax.tree.leaves(hf_checkpoint.load(str(tmp_path / d)).weights) for d in ("a_w", "b_w"))
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b, strict=True))
+
+
+def test_a_start_that_fails_leaves_out_as_it_was_and_the_corrected_command_runs(
+    tmp_path, gsm, monkeypatch
+):
+    """A run that fails on its data (a train.jsonl of no problem), its --model folder (a
+    config.json without weights) or within its first step has written nothing: --out is not
+    there, and the same command, corrected, runs in it. A --compare whose first run fails before
+    its first row leaves nothing either: the run queued after it never starts."""
+    out, cmp = str(tmp_path / "o"), str(tmp_path / "cmp")
+    bad = write_gsm8k(tmp_path / "bad")
+    (tmp_path / "bad" / "train.jsonl").write_text("")
+    (tmp_path / "weightless").mkdir()
+    shutil.copy(os.path.join(gsm[0], "config.json"), tmp_path / "weightless")
+    for argv in (
+        tiny_argv(gsm, "--data-dir", bad, "--out", out),
+        tiny_argv(gsm, "--model", str(tmp_path / "weightless"), "--out", out),
+    ):
+        with pytest.raises(SystemExit):
+            train.main(argv)
+        assert not os.path.exists(out), argv
+
+    class Failed(Exception):
+        pass
+
+    def fails(*a, **kw):
+        raise Failed
+
+    with monkeypatch.context() as m:  # the first step fails, after its run read out's state
+        m.setattr(train, "advantage", fails)
+        with pytest.raises(Failed):
+            train.main(tiny_argv(gsm, "--out", out))
+    assert not os.path.exists(out)
+    train.main(tiny_argv(gsm, "--out", out))
+    assert sorted(os.listdir(out)) == ["metrics.jsonl", "run.json", "summary.json"]
+
+    real, centers = train.run, []
+
+    def first_fails(args, task, fn, center, *rest):
+        centers.append(center)
+        if len(centers) == 1:
+            raise Failed
+        return real(args, task, fn, center, *rest)
+
+    with monkeypatch.context() as m:
+        m.setattr(train, "run", first_fails)
+        with pytest.raises(Failed):
+            train.main(tiny_argv(gsm, "--compare", "--out", cmp))
+    assert not os.path.exists(cmp) and centers == [False]
+    train.main(tiny_argv(gsm, "--compare", "--out", cmp))
+    assert sorted(os.listdir(cmp)) == ["centered", "run.json", "summary.json", "uncentered"]
 
 
 def test_a_write_that_dies_midway_leaves_the_old_file_whole(tmp_path):
