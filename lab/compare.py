@@ -22,6 +22,9 @@ def compare(args, task, fn, run):
     if args.task in tasks.TINY:  # its model comes from the seed (GSM8K's does not)
         build = tasks.TINY[args.task]
         by_seed = {seed: build(seed, args.eval_n, args.probe_n) for seed in seeds}
+    # runs that would interleave their steps by the thousand (a sweep, several seeds at once) print
+    # a line each as they finish; the others print every step, prefixed with their name
+    quiet = bool(args.sweep) or (len(seeds) > 1 and args.workers > 1)
     results, pool = {}, concurrent.futures.ThreadPoolExecutor(args.workers)
     for sampler, noise, kv in args.sweep or [(args.sampler, args.weight_noise, args.kv_quant)]:
         level = sampler + (f"_noise{noise:g}" if noise else "") + (f"_kv_{kv}" if kv else "")
@@ -34,25 +37,46 @@ def compare(args, task, fn, run):
                     f"_seed{seed}" if args.seeds else ""
                 )
                 out = args.out and os.path.join(args.out, level if args.sweep else "", name)
-                prefix = f"{level} {name}: " if args.sweep else f"{name}: "
+                prefix = None if quiet else f"{name}: "  # None: the run prints nothing
                 job = (level_args, by_seed[seed], fn, center, seed, out, prefix)
                 results[level][name] = pool.submit(run, *job)
-    wait(results, pool)
+    wait(results, pool, start, quiet)
     results = {level: {k: job.result() for k, job in res.items()} for level, res in results.items()}
     if args.sweep:
         return sweep.report(args, results, time.perf_counter() - start)
     return report(args, task.cfg, results[level])
 
 
-def wait(results, pool):
-    """Every run to its end; a run that fails stops the compare there: the runs queued behind it
-    never start, nor write."""
-    jobs = [job for res in results.values() for job in res.values()]
+def wait(results, pool, start, quiet):
+    """Every run to its end, a line as each finishes when quiet; a run that fails stops the compare
+    there: the runs queued behind it never start, nor write."""
+    names = {job: f"{level} {name}" for level, res in results.items() for name, job in res.items()}
+    width = max(map(len, names.values()))
     try:
-        for job in concurrent.futures.as_completed(jobs):
-            job.result()
+        for done, job in enumerate(concurrent.futures.as_completed(names), 1):
+            summary = job.result()
+            if quiet:
+                seconds = time.perf_counter() - start
+                name = names[job].ljust(width)
+                print(progress(done, len(names), name, summary, seconds), flush=True)
     finally:
         pool.shutdown(cancel_futures=True)
+
+
+def progress(done, total, name, summary, seconds):  # "run 3/80 int8 centered_seed1 | score ..."
+    left = seconds / done * (total - done)  # at the pace of the runs so far
+    stopped = f" | stopped at {summary['stopped'].split(':')[0]}" if "stopped" in summary else ""
+    return (
+        f"run {done:>{len(str(total))}}/{total} {name} | score {summary['final_acc']:.3f} | "
+        f"drift {summary['final_drift']:9.2e} | {duration(seconds)} in, about {duration(left)} "
+        f"left{stopped}"
+    )
+
+
+def duration(seconds):  # "45 s", "12 min", "3.2 h"
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 3600 else f"{seconds / 3600:.1f} h"
 
 
 def verdict(runs, score="accuracy"):  # runs: [{"uncentered": summary, "centered": summary}], seeds
@@ -106,7 +130,7 @@ def report(args, cfg, res):  # --compare: table, verdict, figure; res {run: summ
         panels = [(name, f"greedy {score}", curves("eval_acc"))]
         panels.append((name, "drift  KL(p_0 || p_t) on the probe", curves("drift")))
         plot(args.plot, panels)
-    return harness.write_summary(args.out, summary)
+    return harness.write_summary(args.out, summary, prefix=None)  # out/summary.json: not printed
 
 
 def plot(file, panels):  # panels: [(title, y label, {label: (x, y, matplotlib style)})], in a row

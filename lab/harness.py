@@ -354,13 +354,17 @@ COLUMNS = {  # the step line's numbers, as printed
 }
 
 
+def say(text, prefix=""):  # one write: the lines of parallel runs stay whole; prefix None: quiet
+    if prefix is not None:
+        print(f"{prefix}{text}\n", end="", flush=True)
+
+
 def log_step(row, steps, out=None, prefix=""):  # "step 12/100 | reward  0.410 | ..."
     cells = [
         f"{k} " + (f.format(row[k]) if k in row else "-" * len(f.format(0)))
         for k, f in COLUMNS.items()
     ]
-    line = " | ".join([f"{prefix}step {row['step']:>{len(str(steps))}}/{steps}", *cells])
-    print(line + "\n", end="", flush=True)  # one write: the lines of parallel runs stay whole
+    say(" | ".join([f"step {row['step']:>{len(str(steps))}}/{steps}", *cells]), prefix)
     if out and not jax.process_index():  # process 0 appends it to out/metrics.jsonl
         with LOCK:  # the first row writes --out's run.json, after every process checked the flags
             os.makedirs(out, exist_ok=True)  # --out, or a --compare's run: a subfolder of it
@@ -372,7 +376,7 @@ def log_step(row, steps, out=None, prefix=""):  # "step 12/100 | reward  0.410 |
 
 
 def write_summary(out, summary, prefix=""):
-    print(f"{prefix}summary {json.dumps(strict(summary))}\n", end="", flush=True)
+    say(f"summary {json.dumps(strict(summary))}", prefix)
     if out:
         atomic(os.path.join(out, "summary.json"), lambda f: json.dump(strict(summary), f, indent=1))
     return summary
@@ -384,9 +388,9 @@ def finished(out):  # the summary of a run that has ended (a --resume of it), el
 
 
 def recorder(args, out, hist, prefix=""):
-    """record(row, params, opt_state, w_sampler), train.grpo's: prints the step's line, appends it
-    to out/metrics.jsonl (the first row: --out's run.json too), keeps what the summary needs in
-    hist, saves the resumable state each --save-every steps, tells Ctrl-C where."""
+    """record(row, params, opt_state, w_sampler), train.grpo's: prints the step's line (prefix None:
+    not), appends it to out/metrics.jsonl (the first row: --out's run.json too), keeps what the
+    summary needs in hist, saves the resumable state each --save-every steps, tells Ctrl-C where."""
     clock = [time.perf_counter()]
 
     def record(row, params, opt_state, w_sampler):
@@ -438,7 +442,7 @@ def finish(out, hist, lr=None, prefix=""):
             f"step {steps}: the loss, a gradient or a weight is not finite: the update was skipped "
             f"and the run stopped with the weights of step {steps}; try a lower --lr (now {lr:g})"
         )
-        print(f"{prefix}{summary['stopped']}", flush=True)
+        say(summary["stopped"], prefix)
     write_summary(out, summary, prefix)
     if out and os.path.exists(os.path.join(out, "state.npz")) and not jax.process_index():
         os.remove(os.path.join(out, "state.npz"))  # the run has ended: its state can go

@@ -286,7 +286,7 @@ def report(args, results, seconds):  # results {level: {run: summary}}: tables, 
 
     # summary.json, then the figures: the map, and against steps next to it
     summary = {level: rows[level] | dict(runs=res) for level, res in results.items()}
-    summary = harness.write_summary(args.out, dict(levels=summary, seconds=seconds))
+    summary = harness.write_summary(args.out, dict(levels=summary, seconds=seconds), prefix=None)
     if args.plot and not jax.process_index():
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
         from matplotlib import colormaps

@@ -111,6 +111,8 @@ def test_gsm8k_compare_runs_both_arms_from_the_same_start(tmp_path, gsm, capsys,
     assert [row[0] for row in table] == ["uncentered", "centered"] and seen == [False, True]
     assert float(table[1][3]) == pytest.approx(summary["centered"]["drop"], abs=1e-3)
     assert summary["verdict"].startswith("verdict: ") and "verdict: " in text
+    assert text.splitlines()[-1] == summary["verdict"]  # it ends on its table and verdict
+    assert not [line for line in text.splitlines() if line.startswith("summary ")]  # in a file
     rows = {
         arm: [json.loads(x) for x in open(tmp_path / "cmp" / arm / "metrics.jsonl")]
         for arm in ("uncentered", "centered")
@@ -125,16 +127,22 @@ def test_gsm8k_compare_runs_both_arms_from_the_same_start(tmp_path, gsm, capsys,
 def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, capsys, monkeypatch):
     """The full LLM loop (sampler, KV cache, int8 + noise, top-k record, train step), shortened: on
     two seeds, uncentred GRPO walks farther and its held-out score falls further than centred
-    GRPO's. Its four runs, three at once (the sequence task's --workers), log what they log one
-    after another, row for row (seed 0's two runs, run again one at a time)."""
+    GRPO's. Its four runs, three at once (the sequence task's --workers), log what they log with
+    another beside them, row for row (seed 0's two runs, run again two at once), and print a line
+    as each finishes; a single seed prints every step instead, each line whole."""
     seen = spy_center(monkeypatch)
     flags = "--task sequence --compare --steps 8 --lr 0.4 --eval-n 128 --probe-n 8".split()
     summary = train.main([*flags, "--seeds", "0,1", "--out", str(tmp_path / "two")])
     assert sorted(seen) == [False, True]  # one train step traced per arm, shared by seeds, threads
     lines = capsys.readouterr().out.splitlines()
-    one = train.main([*flags, "--seeds", "0", "--workers", "1", "--out", str(tmp_path / "one")])
+    one = train.main([*flags, "--seeds", "0", "--workers", "2", "--out", str(tmp_path / "one")])
     assert all(one[name] == summary[name] for name in ("uncentered_seed0", "centered_seed0"))
+    one_lines = capsys.readouterr().out.splitlines()
     names = [f"{c}_seed{s}" for s in (0, 1) for c in ("uncentered", "centered")]
+    done = [line.split(" | ")[0].split() for line in lines if re.match(r"run +\d+/", line)]
+    assert [d[1] for d in done] == ["1/4", "2/4", "3/4", "4/4"]
+    assert not [line for line in lines if re.search(r"step +\d+/\d+ \|", line)]
+    assert sorted(d[3] for d in done) == sorted(names)
     for name in names:
         rows = [
             _strip(map(json.loads, open(tmp_path / d / name / "metrics.jsonl")))
@@ -142,8 +150,9 @@ def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, cap
             if (tmp_path / d / name).exists()
         ]
         assert rows[0] == rows[-1] and len(rows[0]) == 9 and len(rows) == 2 - name.endswith("1")
-        steps = [line for line in lines if line.startswith(f"{name}: step ")]
-        assert len(steps) == 9 and all(line.count(" | ") == 9 for line in steps), steps
+        steps = [line for line in one_lines if line.startswith(f"{name}: step ")]
+        assert len(steps) == 9 * (not name.endswith("1")), steps
+        assert all(line.count(" | ") == 9 for line in steps), steps
     for s in (0, 1):
         off, on = summary[f"uncentered_seed{s}"], summary[f"centered_seed{s}"]
         assert off["eval_acc"]["0"] == on["eval_acc"]["0"] and list(off["eval_acc"]) == ["0", "8"]

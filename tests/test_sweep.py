@@ -1,5 +1,6 @@
 """sweep.py: the t quantile, the paired interval, the verdict, a level's row and from_step on
-made-up runs, the report's columns, summary and figures, and a short real sweep."""
+made-up runs, the report's columns, summary and figures, a run's progress line, and a short real
+sweep (a line a run, then the tables)."""
 
 import argparse
 import json
@@ -14,7 +15,7 @@ import train
 from helpers import (
     _strict_json,
 )
-from lab import sweep
+from lab import compare, sweep
 
 
 def _sweep_run(scores, drifts, kl=0.01):  # a run's summary (harness.finish), evaluations every 50
@@ -254,12 +255,32 @@ def test_report_draws_the_map_and_the_steps_figure(tmp_path):
     assert saved[0] == saved[1]
 
 
-def test_short_sweep_has_every_level_and_seed_and_the_mismatch_sets_the_arms_apart(tmp_path):
+def test_a_progress_line_counts_the_runs_and_estimates_the_rest_at_their_pace():
+    """3 runs of 12 done in 30 s: 10 s a run, so 9 more take about 90 s (2 min); a run that
+    stopped says at which step; durations in s, min or h."""
+    summary = dict(final_acc=0.5, final_drift=0.0123)
+    line = compare.progress(3, 12, "int8 centered_seed1", summary, 30.0)
+    assert line == (
+        "run  3/12 int8 centered_seed1 | score 0.500 | drift  1.23e-02 | 30 s in, about 2 min left"
+    )
+    stopped = summary | dict(stopped="step 7: the loss, a gradient or a weight is not finite")
+    line = compare.progress(12, 12, "int8 uncentered_seed1", stopped, 3960.0)
+    assert line.endswith("| 1.1 h in, about 0 s left | stopped at step 7"), line
+
+
+TIME = r"\d+(\.\d)? (s|min|h)"  # a duration as a progress line prints it
+
+
+def test_short_sweep_has_every_level_and_seed_and_the_mismatch_sets_the_arms_apart(
+    tmp_path, capsys
+):
     """--sweep 0,0.1 on two seeds, shortened: every level and seed is there, the measured
     kl_q_p grows with the noise, the gain is centred minus uncentred of the same seed; after one
     step from the same rollouts, the two arms' drift differs less with a clean bf16 sampler than
     with 10% noise (the centring term scales with the mismatch). At lr 0.1 a step stays small (at
-    0.4 both arms can overshoot to the same drift)."""
+    0.4 both arms can overshoot to the same drift). It prints a line a finished run, counting up
+    to the 8 runs with the run's score and drift, then the tables: no step, no JSON; the steps
+    are in each run's metrics.jsonl."""
     argv = "--task sequence --sweep 0,0.1 --seeds 0,1 --steps 1 --eval-every 1".split()
     argv += "--eval-n 8 --probe-n 8 --prompts 2 --group 4 --max-tokens 6 --lr 0.1".split()
     summary = train.main(argv + ["--out", str(tmp_path / "o")])
@@ -270,6 +291,10 @@ def test_short_sweep_has_every_level_and_seed_and_the_mismatch_sets_the_arms_apa
     for level, r in levels.items():
         assert set(r["runs"]) == names
         assert all((tmp_path / "o" / level / name / "summary.json").exists() for name in names)
+        for name in names:
+            rows = (tmp_path / "o" / level / name / "metrics.jsonl").read_text().splitlines()
+            assert [json.loads(row)["step"] for row in rows] == [0, 1]
+
         # each run's score: the mean of its last evaluations (here steps 0 and 1, all it has)
         runs = r["runs"]
         gains = [
@@ -291,6 +316,22 @@ def test_short_sweep_has_every_level_and_seed_and_the_mismatch_sets_the_arms_apa
         ]
 
     assert max(apart("bf16")) < min(apart("bf16_noise0.1")), (apart("bf16"), apart("bf16_noise0.1"))
+
+    lines = capsys.readouterr().out.splitlines()
+    runs = [line.split(" | ") for line in lines if re.match(r"run +\d+/", line)]
+    assert [cells[0].split()[1] for cells in runs] == [f"{i}/8" for i in range(1, 9)]
+    done = {" ".join(cells[0].split()[2:]): cells for cells in runs}  # "level name" -> cells
+    assert set(done) == {f"{level} {name}" for level in levels for name in names}
+    for run_name, cells in done.items():
+        level, name = run_name.split()
+        run = levels[level]["runs"][name]
+        assert cells[1] == f"score {run['final_acc']:.3f}", cells
+        drift = float(cells[2].split()[1])  # printed to 3 digits
+        assert drift == pytest.approx(run["final_drift"], rel=1e-2, abs=1e-12), cells
+        assert re.fullmatch(rf"{TIME} in, about {TIME} left", cells[3]), cells
+    assert not [line for line in lines if re.search(r"step +\d+/\d+ \|", line)]
+    assert not [line for line in lines if "{" in line and not line.startswith("config ")]
+    assert len(lines) < 40, len(lines)
 
 
 def test_kl_table_shows_eight_windows_evenly_spaced_with_the_first_and_the_last(capsys):
