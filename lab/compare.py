@@ -64,11 +64,12 @@ def wait(results, pool, start, quiet):
 
 
 def progress(done, total, name, summary, seconds):  # "run 3/80 int8 centered_seed1 | score ..."
+    last = max(summary["eval_acc"], key=int)  # the run's last evaluation: its score and drift
     left = seconds / done * (total - done)  # at the pace of the runs so far
     stopped = f" | stopped at {summary['stopped'].split(':')[0]}" if "stopped" in summary else ""
     return (
-        f"run {done:>{len(str(total))}}/{total} {name} | score {summary['final_acc']:.3f} | "
-        f"drift {summary['final_drift']:9.2e} | {duration(seconds)} in, about {duration(left)} "
+        f"run {done:>{len(str(total))}}/{total} {name} | score {summary['eval_acc'][last]:.3f} | "
+        f"drift {summary['drift'][last]:9.2e} | {duration(seconds)} in, about {duration(left)} "
         f"left{stopped}"
     )
 

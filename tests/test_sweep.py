@@ -256,9 +256,10 @@ def test_report_draws_the_map_and_the_steps_figure(tmp_path):
 
 
 def test_a_progress_line_counts_the_runs_and_estimates_the_rest_at_their_pace():
-    """3 runs of 12 done in 30 s: 10 s a run, so 9 more take about 90 s (2 min); a run that
-    stopped says at which step; durations in s, min or h."""
-    summary = dict(final_acc=0.5, final_drift=0.0123)
+    """3 runs of 12 done in 30 s: 10 s a run, so 9 more take about 90 s (2 min); the score and
+    drift of the last evaluation (step 10, not 9 as text sorts); a run that stopped says at which
+    step; durations in s, min or h."""
+    summary = dict(eval_acc={"9": 0.25, "10": 0.5}, drift={"9": 0.5, "10": 0.0123})
     line = compare.progress(3, 12, "int8 centered_seed1", summary, 30.0)
     assert line == (
         "run  3/12 int8 centered_seed1 | score 0.500 | drift  1.23e-02 | 30 s in, about 2 min left"
