@@ -45,27 +45,20 @@ def forward(
     last=None,
     kv_quant=None,
 ):
-    """Logits float32 [B, T, V] (or [B, last, V] for the last `last` positions) and the updated kv.
-    tokens [B, T]; pos [B, T] their positions, < 0 for padding. A query at position p sees keys at
-    0..p. With kv, this call's keys, values and positions are written at cache slots [start,
-    start + T) (K and V as kv_quant(a) if given) and the queries attend over the whole cache. Each
-    weight matmul is mm(spec, activation, weight)."""
+    """Logits float32 [B, T, V] (or [B, last, V], the last positions) and the updated kv. tokens
+    [B, T] at positions pos [B, T] (< 0: padding); a query at p sees keys at 0..p. With kv, this
+    call's keys, values (as kv_quant(a), if given) and positions go into cache slots [start, start
+    + T), and the queries attend over the whole cache. A weight matmul: mm(spec, activation, w)."""
     eps, H = cfg["rms_norm_eps"], cfg["head_dim"]
     # rope_theta: at the top of config.json, or in rope_parameters (recent transformers)
     base = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
-    if kv is None:
-        kpos = pos
-    else:
-        kpos = jax.lax.dynamic_update_slice(kv["pos"], pos.astype(jnp.int32), (0, start))
+    kpos = pos if kv is None else jax.lax.dynamic_update_slice(kv["pos"], pos, (0, start))
     mask = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= pos[:, :, None])  # [B, T, S]
     x = w["embed"][tokens].astype(dtype)  # [B, T, D]
 
-    def write(cache, a, i):  # a [B, T, K, H] into layer i of the cache [L, B, S, K, H], at start
-        return jax.lax.dynamic_update_slice(cache, a[None].astype(cache.dtype), (i, 0, start, 0, 0))
-
     @jax.checkpoint  # recompute the layer in the backward pass instead of storing its activations
-    def layer(carry, xs):
-        (x, kv), (lw, i) = carry, xs
+    def layer(x, xs):
+        lw, cache = xs  # cache: this layer's keys and values [B, S, K, H], or None
         lw = jax.tree.map(lambda a: a.astype(dtype), lw)
         # attention: Qwen3 gives q and k their own RMSNorm, before RoPE (QK-norm); Llama does not
         h = rms_norm(x, lw["attn_norm"], eps)
@@ -73,12 +66,14 @@ def forward(
         if "q_norm" in lw:
             q, k = rms_norm(q, lw["q_norm"], eps), rms_norm(k, lw["k_norm"], eps)
         q, k, v = rope(q, pos, base), rope(k, pos, base), mm("btd,dkh->btkh", h, lw["v"])
-        # KV cache: write this call's keys and values, then attend over the whole cache
-        if kv is not None:
+        # KV cache: this call's keys and values into the layer's slice, attend over the slice
+        new = None  # this call's keys and values, as the cache holds them
+        if cache is not None:
             if kv_quant:  # as a quantised cache stores them
                 k, v = kv_quant(k), kv_quant(v)
-            kv = dict(kv, k=write(kv["k"], k, i), v=write(kv["v"], v, i))  # a scan carry: in place
-            k, v = kv["k"][i].astype(dtype), kv["v"][i].astype(dtype)
+            new = dict(k=k.astype(cache["k"].dtype), v=v.astype(cache["v"].dtype))
+            k, v = [jax.lax.dynamic_update_slice(cache[a], new[a], (0, start, 0, 0)) for a in "kv"]
+            k, v = k.astype(dtype), v.astype(dtype)
         q = q.reshape(*q.shape[:2], k.shape[2], -1, H)  # [B, T, K, R, H]: R query heads per kv head
         s = jnp.einsum("btkrh,bskh->bkrts", q, k, preferred_element_type=jnp.float32) * H**-0.5
         s = jnp.where(mask[:, None, None], s, -1e30)  # finite: a padding query averages, no NaN
@@ -88,10 +83,16 @@ def forward(
         # MLP
         h = rms_norm(x, lw["mlp_norm"], eps)
         h = jax.nn.silu(mm("btd,df->btf", h, lw["gate"])) * mm("btd,df->btf", h, lw["up"])
-        return (x + mm("btf,fd->btd", h, lw["down"]), kv), None
+        return x + mm("btf,fd->btd", h, lw["down"]), new
 
-    kv = None if kv is None else dict(kv, pos=kpos)
-    (x, kv), _ = jax.lax.scan(layer, (x, kv), (w["layers"], jnp.arange(cfg["num_hidden_layers"])))
+    # the layers. Each reads its slice of the cache and returns this call's keys and values, put
+    # in once after the scan (a cache carried through it is copied a layer); decoding unrolls the
+    # scan, so that each layer's slice of the stacked weights is read in place, not copied first
+    cache = None if kv is None else dict(k=kv["k"], v=kv["v"])
+    x, new = jax.lax.scan(layer, x, (w["layers"], cache), unroll=kv is not None)
+    if kv is not None:
+        at = (0, 0, start, 0, 0)
+        kv = {a: jax.lax.dynamic_update_slice(kv[a], new[a], at) for a in "kv"} | dict(pos=kpos)
     x = rms_norm(x if last is None else x[:, -last:], w["norm"], eps)
     head = w["embed"] if cfg.get("tie_word_embeddings") else w["lm_head"]  # [V, D]
     return mm("btd,vd->btv", x, head.astype(dtype)).astype(jnp.float32), kv
