@@ -105,11 +105,12 @@ def quant_mm(kind):  # W8A8: the activation is fake-quantised per token (over th
 Decoding = namedtuple("Decoding", "i logits cache done out key")
 
 
-def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False):
+def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False, group=1):
     """fn(weights, prompt [B, T0], pos [B, T0], key) -> dict of tokens, logq, mask [B, M] and the
     head: head_ids, head_logq [B, M, k], log q after temperature, normalised over all V (topk 0:
     the full [B, M, V] log q, no ids). Prefills once, then decodes a token a step until every row
-    has ended its turn. numerics: qwen3.forward's mm (quant_mm), dtype (SAMPLER_DTYPE), kv_quant."""
+    has ended its turn. numerics: qwen3.forward's mm (quant_mm), dtype (SAMPLER_DTYPE), kv_quant.
+    group: the rows come in runs of `group` copies of one prompt, each run prefilled once."""
     numerics = dict(dtype=SAMPLER_DTYPE) | (numerics or {})
     fwd, eos = partial(qwen3.forward, cfg, **numerics), jnp.array(eos_ids)
 
@@ -117,9 +118,16 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False):
         B, T0 = prompt.shape
         M, k = max_tokens, topk or cfg["vocab_size"]
 
-        # prefill: the prompt into the KV cache, the logits that predict the first token
-        cache = qwen3.init_kv(cfg, B, T0 + M, numerics["dtype"])
-        logits, cache = fwd(w, prompt, pos, cache, 0, last=1)
+        # prefill: each prompt into the KV cache once, then copied to its group's rows; the logits
+        # that predict the first token
+        cache = qwen3.init_kv(cfg, B // group, T0 + M, numerics["dtype"])
+        logits, cache = fwd(w, prompt[::group], pos[::group], cache, 0, last=1)
+
+        def copies(x, axis=0):  # B / group rows along `axis` -> B: each `group` times
+            return jnp.repeat(x, group, axis)
+
+        cache = dict(k=copies(cache["k"], 1), v=copies(cache["v"], 1), pos=copies(cache["pos"]))
+        logits = copies(logits)  # [B, 1, V]
 
         # decode: a token a step, drawn from q and recorded with log q and the head of q
         def body(state):
@@ -340,7 +348,7 @@ def build(args, cfg, eos):
     @cache
     def samplers(kind, kv=None):  # W8A8 kind, the KV cache's kind
         numerics = dict(mm=quant_mm(kind), kv_quant=kv_quant(kv))
-        return make_sampler(cfg, args.max_tokens, args.topk, eos, numerics)
+        return make_sampler(cfg, args.max_tokens, args.topk, eos, numerics, group=args.group)
 
     steps = [
         make_train_step(cfg, opt, args.micro_batch, mesh, c, **loss_flags) for c in (False, True)

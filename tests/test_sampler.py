@@ -50,6 +50,25 @@ def test_zero_mismatch_sampler_logq_equals_trainer_logp(tiny, monkeypatch, tempe
     assert np.abs(np.where(out["mask"], ref_y - np.asarray(out["logq"]), 0)).max() <= 1e-4
 
 
+def test_a_group_of_copies_prefilled_once_samples_as_rows_prefilled_each(tiny):
+    """group=4: each run of 4 copies of a prompt is prefilled once and its cache copied; the rows
+    sample, and record, what rows prefilled one by one do (bf16, int8 W8A8 with an int4 cache)."""
+    prompt, pos = (np.repeat(x, 4, 0) for x in _prompts(tiny.tokenizer, 3))  # [12, T0]
+    for kind, kv in (("bf16", None), ("int8", "int4")):
+        numerics = dict(mm=train.quant_mm(kind), kv_quant=train.kv_quant(kv))
+        w = train.sampler_weights(tiny.weights, kind)
+        one, grouped = (
+            train.make_sampler(tiny.cfg, 16, 8, STOP, numerics, group=g)(
+                w, prompt, pos, jax.random.PRNGKey(1)
+            )
+            for g in (1, 4)
+        )
+        for name in one:
+            np.testing.assert_allclose(grouped[name], one[name], atol=1e-5, err_msg=name)
+        tokens = np.asarray(one["tokens"]).reshape(3, 4, -1)
+        assert all(len({tuple(r) for r in copies}) > 1 for copies in tokens)  # rows of their own
+
+
 def test_mask_ends_at_the_first_eos(tiny):
     """The mask holds the completion up to and including its first EOS token, nothing after it."""
     prompt, pos = _prompts(tiny.tokenizer, 8)
