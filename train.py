@@ -166,13 +166,13 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False, gr
 # The train step: float32 logits, score_centering.loss, FSDP, optionally LoRA adapters
 
 
-def completion_logits(cfg, w, prompt, pos, tokens):
+def completion_logits(cfg, w, prompt, pos, tokens, mm=jnp.einsum):
     """The trainer's float32 logits [B, M, V] where it predicted the completion tokens [B, M]."""
     M = tokens.shape[1]
     seq_pos = jnp.concatenate([pos, pos[:, -1:] + 1 + jnp.arange(M)[None, :]], 1)
     seq = jnp.concatenate([prompt, tokens], 1)
     with jax.default_matmul_precision("highest"):  # a float32 trainer, not TF32 or bf16 passes
-        logits = qwen3.forward(cfg, w, seq, seq_pos, last=M + 1)[0]
+        logits = qwen3.forward(cfg, w, seq, seq_pos, mm=mm, last=M + 1)[0]
     return logits[:, :-1] / TEMPERATURE  # position T0 - 1 + t predicts token t; the last, none
 
 
@@ -206,6 +206,31 @@ def merge(params, base, scale=None):
     return dict(base, layers=layers)
 
 
+def attach(params, base):  # the trainer's weights: each projection's W with its adapters
+    adapted = {name: dict(w=base["layers"][name], **ab) for name, ab in params.items()}
+    return dict(base, layers=base["layers"] | adapted)
+
+
+def lora_mm(scale):
+    """The trainer's matmul, where a weight may carry adapters (dict(w=W, lora_a, lora_b)): x W +
+    scale · (x lora_a) lora_b, which is x merge(...) up to rounding, and whose backward pass forms
+    no gradient of a whole W (merged, it does: a third of the layers' work)."""
+
+    def mm(spec, x, w):  # spec "btd,dnh->btnh": x's letters, W's (its inputs first), the output's
+        if not isinstance(w, dict):
+            return jnp.einsum(spec, x, w)
+        (x_axes, w_axes), out = spec.split("->")[0].split(","), spec.split("->")[1]
+        n_in = sum(c in x_axes for c in w_axes)  # W's input letters (d), then its outputs (nh)
+        rows = "".join(c for c in x_axes if c not in w_axes)  # bt
+        lora_a = w["lora_a"].reshape(*w["w"].shape[:n_in], -1)  # [inputs..., r]
+        lora_b = w["lora_b"].reshape(-1, *w["w"].shape[n_in:])  # [r, outputs...]
+        xa = jnp.einsum(f"{x_axes},{w_axes[:n_in]}z->{rows}z", x, lora_a)  # z: the rank
+        delta = jnp.einsum(f"{rows}z,z{w_axes[n_in:]}->{out}", xa, lora_b)
+        return jnp.einsum(spec, x, w["w"]) + scale * delta
+
+    return mm
+
+
 def make_train_step(cfg, opt, micro_batch, mesh, center, tis_cap=None, mis=None, lora_scale=None):
     """fn(params, opt_state, batch, base=None) -> (params, opt_state, metrics); params: weights, or
     LoRA adapters on the frozen `base`; batch: the sampler's record, prompt, pos [B, T0], adv [B].
@@ -214,8 +239,8 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, tis_cap=None, mis=None,
     options = dict(center=center, tis_cap=tis_cap, mis=mis)  # all that --center changes: a keyword
 
     def token_sum_loss(params, base, b):
-        w = merge(params, base, lora_scale)
-        logits = completion_logits(cfg, w, b["prompt"], b["pos"], b["tokens"])
+        w = params if base is None else attach(params, base)
+        logits = completion_logits(cfg, w, b["prompt"], b["pos"], b["tokens"], lora_mm(lora_scale))
         head = b["head_logq"], b.get("head_ids")  # the sampler's top-k log q and ids (topk 0: none)
         loss, metrics = sc.loss(
             logits, b["tokens"], b["mask"], b["adv"], b["logq"], *head, **options

@@ -309,17 +309,24 @@ def test_group_advantages():
     np.testing.assert_allclose(train.advantage(r, 3, "none"), r)
 
 
-def test_lora_starts_at_the_base_and_its_gradient_is_the_chain_rule(tiny):
+@pytest.mark.parametrize("b_scale", [0.0, 0.3])
+def test_lora_starts_at_the_base_and_its_gradient_is_the_chain_rule(tiny, b_scale):
+    """The adapters' gradients are the chain rule of the full gradient at the merged weights W:
+    dL/dlora_a = scale · dL/dW lora_bᵀ, dL/dlora_b = scale · lora_aᵀ dL/dW (at lora_b = 0, as
+    lora_init starts, merge gives the base and lora_a's gradient is 0)."""
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     lora = train.lora_init(tiny.weights, 4, jax.random.PRNGKey(0))
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), len(lora)))
+    for ab in lora.values():
+        ab["lora_b"] = b_scale * jax.random.normal(next(keys), ab["lora_b"].shape)
     merged = train.merge(lora, tiny.weights, 2.0)
-    assert all(
+    assert b_scale or all(
         np.array_equal(a, b)
         for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(tiny.weights), strict=True)
     )
     prompt, pos = _prompts(tiny.tokenizer, 8)
     out = train.make_sampler(tiny.cfg, 8, 4, STOP)(
-        train.sampler_weights(tiny.weights, "int8"), prompt, pos, jax.random.PRNGKey(0)
+        train.sampler_weights(merged, "int8"), prompt, pos, jax.random.PRNGKey(0)
     )
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 8))
     opt = optax.sgd(1.0)  # the update is minus the gradient
@@ -327,23 +334,22 @@ def test_lora_starts_at_the_base_and_its_gradient_is_the_chain_rule(tiny):
         jax.tree.map(jnp.copy, lora), opt.init(lora), batch, tiny.weights
     )
     full, _, _ = train.make_train_step(tiny.cfg, opt, 8, mesh, center=True)(
-        jax.tree.map(jnp.copy, tiny.weights), opt.init(tiny.weights), batch
+        jax.tree.map(jnp.copy, merged), opt.init(merged), batch
     )
     assert set(new) == {"q", "k", "v", "o", "gate", "up", "down"} and set(new["q"]) == {
         "lora_a",
         "lora_b",
     }
-    # lora_b = 0: the gradient of lora_a is 0, of lora_b scale · lora_aᵀ dL/dW (the full step's)
     for name, ab in new.items():
-        gw = (tiny.weights["layers"][name] - full["layers"][name]).reshape(
-            lora[name]["lora_a"].shape[0], lora[name]["lora_a"].shape[1], -1
-        )
-        np.testing.assert_array_equal(ab["lora_a"], lora[name]["lora_a"])
-        expected = 2.0 * jnp.einsum("lir,lio->lro", lora[name]["lora_a"], gw)
-        np.testing.assert_allclose(
-            lora[name]["lora_b"] - ab["lora_b"], expected, atol=1e-5, rtol=1e-4
-        )
-        assert float(jnp.abs(ab["lora_b"]).max()) > 1e-4, name
+        a, b = lora[name]["lora_a"], lora[name]["lora_b"]  # [L, in, r], [L, r, out]
+        gw = (merged["layers"][name] - full["layers"][name]).reshape(*a.shape[:2], -1)
+        for got, was, expected in (
+            (ab["lora_a"], a, 2.0 * jnp.einsum("lio,lro->lir", gw, b)),
+            (ab["lora_b"], b, 2.0 * jnp.einsum("lir,lio->lro", a, gw)),
+        ):
+            np.testing.assert_allclose(was - got, expected, atol=1e-5, rtol=1e-4, err_msg=name)
+        assert float(jnp.abs(ab["lora_b"] - b).max()) > 1e-4, name
+        assert b_scale or np.array_equal(ab["lora_a"], a)
 
 
 def test_lora_run_saves_merged_weights_that_transformers_reads(tmp_path):
