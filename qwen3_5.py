@@ -1,0 +1,276 @@
+"""Qwen3.5 (dense) in pure JAX, the model only, with qwen3.py's forward contract. A hybrid: config
+layer_types says which layers are Gated DeltaNet (linear attention: a causal conv, then the gated
+delta rule's recurrent state) and which are gated full attention (QK-norm, partial RoPE, GQA).
+B batch rows, T query length, S key/KV-cache length, D model width, F MLP hidden, V vocab; full
+attention: N query heads, K key/value heads, R = N/K, H head dimension; linear attention: J key
+heads of dimension E, U value heads of dimension Y (U a multiple of J), C = 2·J·E + U·Y channels.
+Each kind's layer weights are stacked along a leading axis of their own: w["linear"], w["full"]."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def normed(x, eps):  # x / rms(x), in float32
+    x32 = x.astype(F32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def rms_norm(x, w, eps):  # Qwen3.5's: times (1 + w) in float32, then back to x's dtype
+    return (normed(x, eps) * (1 + jnp.broadcast_to(w.astype(F32), x.shape))).astype(x.dtype)
+
+
+def l2_norm(x):  # x / |x| over the last axis, eps 1e-6 under the root (as transformers)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def rope(x, pos, base, rotary):  # rotate-half RoPE on the first `rotary` channels; x [B, T, N, H]
+    half = rotary // 2
+    angle = jnp.einsum("bt,h->bth", pos.astype(F32), 1 / base ** (jnp.arange(half) / half))
+    cos = jnp.cos(angle)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angle)[:, :, None, :].astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:rotary]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary:]], axis=-1)
+
+
+# ---- the gated delta rule: per head a state M [E, Y]; each token decays it by exp(g), writes
+# beta times the part of v that M does not yet predict from k, and reads it with q:
+#   M <- exp(g) M;  M <- M + beta k (v - M^T k)^T;  o = M^T q
+def recurrent_delta_rule(q, k, v, g, beta, state, state_dtype):
+    """Token by token. q, k [B, T, U, E], v [B, T, U, Y], g and beta [B, T, U], all float32;
+    state [B, U, E, Y], rounded to state_dtype after each token. Returns o [B, T, U, Y], state."""
+
+    def step(M, xs):
+        q, k, v, g, beta = xs
+        M = M * jnp.exp(g)[..., None, None]
+        delta = (v - jnp.einsum("bue,buey->buy", k, M)) * beta[..., None]
+        M = M + jnp.einsum("bue,buy->buey", k, delta)
+        return M.astype(state_dtype).astype(F32), jnp.einsum("bue,buey->buy", q, M)
+
+    state, o = jax.lax.scan(step, state, [jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)])
+    return jnp.moveaxis(o, 0, 1), state
+
+
+def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
+    """The same, 64 tokens a chunk: within one the recurrence is solved at once (a triangular
+    system, then matmuls), and the state passes from chunk to chunk (rounded to state_dtype)."""
+    B, T = k.shape[:2]
+    n = -(-T // size)
+
+    def chunks(a):  # [B, T, U, ...] -> [n, B, U, size, ...], zeros at the end: g = beta = 0 there
+        a = jnp.pad(a, [(0, 0), (0, n * size - T)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(B, n, size, *a.shape[2:]), (1, 3), (0, 2))
+
+    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
+    # log decay from the chunk's start to token t, and from token s to t (s <= t)
+    gam = jnp.cumsum(g, axis=-1)  # [n, B, U, size]
+    causal = jnp.tril(jnp.ones((1, 1, 1, size, size), bool))
+    decay = jnp.exp(jnp.where(causal, gam[..., :, None] - gam[..., None, :], -jnp.inf))
+    # the chunk's writes u (beta (v - M^T k) above) from its starting state M_0 solve
+    # (I + A) u = beta v - beta exp(gam) k M_0, with A[t, s] = beta_t k_t·k_s decay[t, s], s < t
+    k_beta = k * beta[..., None]
+    A = jnp.tril(jnp.einsum("nbute,nbuse->nbuts", k_beta, k) * decay, -1)
+    solve = partial(jax.scipy.linalg.solve_triangular, A, lower=True, unit_diagonal=True)
+    u_0 = solve(v * beta[..., None])  # the writes if M_0 = 0
+    w = solve(k_beta * jnp.exp(gam)[..., None])  # u = u_0 - w M_0
+    attn = jnp.einsum("nbute,nbuse->nbuts", q, k) * decay  # [n, B, U, t, s]
+
+    def step(M, xs):  # one chunk: its writes, its outputs, the state at its end
+        u_0, w, attn, q, k, gam = xs
+        u = u_0 - jnp.einsum("bute,buey->buty", w, M)
+        o = jnp.einsum("bute,buey->buty", q * jnp.exp(gam)[..., None], M)
+        o = o + jnp.einsum("buts,busy->buty", attn, u)
+        k_to_end = k * jnp.exp(gam[..., -1:] - gam)[..., None]
+        M = M * jnp.exp(gam[..., -1])[..., None, None] + jnp.einsum("buse,busy->buey", k_to_end, u)
+        return M.astype(state_dtype).astype(F32), o
+
+    state, o = jax.lax.scan(step, state, (u_0, w, attn, q, k, gam))
+    o = jnp.moveaxis(o, (0, 2), (1, 3))  # [B, n, size, U, Y]
+    return o.reshape(B, n * size, *o.shape[3:])[:, :T], state
+
+
+def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype):
+    """Gated DeltaNet, layer i of the linear stack, on h [B, T, D] (real [B, T, 1]: False at
+    padding): its output [B, T, D] and kv, whose conv inputs and state it continues and updates."""
+    J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    U, Y = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
+    B, T, _ = h.shape
+    # projections; at padding the conv's input, beta and g are zero: it changes nothing
+    qkv = jnp.where(real, mm("btd,dc->btc", h, lw["qkv"]), 0)  # [B, T, C]
+    z = mm("btd,duy->btuy", h, lw["z"])
+    beta = jnp.where(real, jax.nn.sigmoid(mm("btd,du->btu", h, lw["b"])).astype(F32), 0)
+    a = mm("btd,du->btu", h, lw["a"]).astype(F32) + lw["dt_bias"][None, None]
+    g = jnp.where(real, -jnp.exp(lw["A_log"].astype(F32))[None, None] * jax.nn.softplus(a), 0)
+
+    # causal depthwise conv over the previous inputs and this call's, then SiLU
+    width = lw["conv"].shape[0]
+    window = jnp.zeros((B, width - 1, qkv.shape[-1])) if kv is None else kv["conv"][i]
+    window = jnp.concatenate([window.astype(h.dtype), qkv], axis=1)  # [B, kernel - 1 + T, C]
+    conv = sum(window[:, j : j + T] * lw["conv"][None, None, j] for j in range(width))
+    q, k, v = jnp.split(jax.nn.silu(conv), [J * E, 2 * J * E], axis=-1)
+    # q and k L2-normalised in float32, each key head serving U / J value heads
+    q, k = (jnp.repeat(l2_norm(x.reshape(B, T, J, E).astype(F32)), U // J, 2) for x in (q, k))
+
+    # one token (decoding): the recurrence, O(1) a token; a sequence (the trainer, a prompt's
+    # prefill): chunks of 64 tokens, mostly matmuls
+    rule = recurrent_delta_rule if T == 1 else chunked_delta_rule
+    state = jnp.zeros((B, U, E, Y), F32) if kv is None else kv["state"][i]
+    v = v.reshape(B, T, U, Y).astype(F32)
+    o, state = rule(q * E**-0.5, k, v, g, beta, state, state_dtype)  # [B, T, U, Y]
+    if kv is not None:  # the conv's last inputs, the state
+        conv = kv["conv"].at[i].set(window[:, T:].astype(kv["conv"].dtype))
+        kv = dict(kv, conv=conv, state=kv["state"].at[i].set(state))
+    # the gated RMSNorm: normed in float32, times w (not 1 + w), then silu(z)
+    o = normed(o.astype(h.dtype), cfg["rms_norm_eps"]).astype(h.dtype)
+    o = (o * lw["norm"][None, None, None] * jax.nn.silu(z.astype(F32))).astype(h.dtype)
+    return mm("btuy,uyd->btd", o, lw["out"]), kv
+
+
+def init_kv(cfg, B, S, dtype=jnp.float32):
+    """An empty cache: per linear-attention layer the conv's last inputs and the state (float32,
+    forward's state_dtype sets its precision), per full-attention layer K and V; position -1 marks
+    an empty KV slot."""
+    J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    U, Y = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
+    n_linear = cfg["layer_types"].count("linear_attention")
+    n_full = cfg["layer_types"].count("full_attention")
+    shape = (n_full, B, S, cfg["num_key_value_heads"], cfg["head_dim"])
+    return dict(
+        conv=jnp.zeros((n_linear, B, cfg["linear_conv_kernel_dim"] - 1, 2 * J * E + U * Y), dtype),
+        state=jnp.zeros((n_linear, B, U, E, Y), F32),
+        k=jnp.zeros(shape, dtype),  # [n_full, B, S, K, H]
+        v=jnp.zeros(shape, dtype),  # [n_full, B, S, K, H]
+        pos=jnp.full((B, S), -1, jnp.int32),  # [B, S]
+    )
+
+
+def forward(
+    cfg,
+    w,
+    tokens,
+    pos,
+    kv=None,
+    start=0,
+    *,
+    mm=jnp.einsum,
+    dtype=jnp.float32,
+    last=None,
+    kv_quant=None,
+    state_dtype=jnp.float32,
+):
+    """Logits float32 [B, T, V] (or [B, last, V] for the last `last` positions) and the updated kv,
+    as qwen3.forward: tokens [B, T]; pos [B, T] their positions, < 0 for left padding. With kv,
+    full attention writes this call's keys, values and positions at cache slots [start, start + T)
+    (K and V as kv_quant(a) if given) and attends over the whole cache; linear attention continues
+    from its conv inputs and state and leaves the new ones. state_dtype: the precision the delta
+    rule's state is held at. Each weight matmul is mm(spec, activation, weight)."""
+    eps, H = cfg["rms_norm_eps"], cfg["head_dim"]
+    base = cfg["rope_parameters"]["rope_theta"]
+    rotary = int(H * cfg["rope_parameters"]["partial_rotary_factor"])
+    if kv is None:
+        kpos = pos
+    else:
+        kpos = jax.lax.dynamic_update_slice(kv["pos"], pos.astype(jnp.int32), (0, start))
+    mask = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= pos[:, :, None])  # [B, T, S]
+    x = w["embed"][tokens].astype(dtype)  # [B, T, D]
+
+    def write(cache, a, i):  # a [B, T, K, H] into layer i of the cache [n_full, B, S, K, H]
+        return jax.lax.dynamic_update_slice(cache, a[None].astype(cache.dtype), (i, 0, start, 0, 0))
+
+    def full_attention(h, lw, kv, i):
+        # QKV projection: q with its output gate (a head's H channels each), QK-norm, partial RoPE
+        q, gate = jnp.split(mm("btd,dnh->btnh", h, lw["q"]), 2, axis=-1)
+        q = rope(rms_norm(q, lw["q_norm"], eps), pos, base, rotary)
+        k = rope(rms_norm(mm("btd,dkh->btkh", h, lw["k"]), lw["k_norm"], eps), pos, base, rotary)
+        v = mm("btd,dkh->btkh", h, lw["v"])
+        # KV cache: write this call's keys and values, then attend over the whole cache
+        if kv is not None:
+            if kv_quant:  # as a quantised cache stores them
+                k, v = kv_quant(k), kv_quant(v)
+            kv = dict(kv, k=write(kv["k"], k, i), v=write(kv["v"], v, i))  # in place
+            k, v = kv["k"][i].astype(dtype), kv["v"][i].astype(dtype)
+        q = q.reshape(*q.shape[:2], k.shape[2], -1, H)  # [B, T, K, R, H]
+        s = jnp.einsum("btkrh,bskh->bkrts", q, k, preferred_element_type=F32) * H**-0.5
+        s = jnp.where(mask[:, None, None], s, -1e30)  # finite: a padding query averages, no NaN
+        probs = jax.nn.softmax(s, axis=-1).astype(dtype)  # [B, K, R, T, S]
+        o = jnp.einsum("bkrts,bskh->btkrh", probs, v).reshape(gate.shape)  # [B, T, N, H]
+        return mm("btnh,nhd->btd", o * jax.nn.sigmoid(gate), lw["o"]), kv
+
+    # recompute a layer in the backward pass instead of storing its activations
+    @partial(jax.checkpoint, static_argnums=(3, 4))
+    def layer(x, kv, stack, kind, i):  # the i-th layer of its kind
+        lw = jax.tree.map(lambda a: a[i].astype(dtype), stack)
+        h = rms_norm(x, lw["attn_norm"], eps)
+        if kind == "full_attention":
+            h, kv = full_attention(h, lw, kv, i)
+        else:
+            h, kv = gated_delta_net(cfg, lw, h, pos[..., None] >= 0, kv, i, mm, state_dtype)
+        x = x + h
+        # MLP
+        h = rms_norm(x, lw["mlp_norm"], eps)
+        h = jax.nn.silu(mm("btd,df->btf", h, lw["gate"])) * mm("btd,df->btf", h, lw["up"])
+        return x + mm("btf,fd->btd", h, lw["down"]), kv
+
+    kv = None if kv is None else dict(kv, pos=kpos)
+    # the layers in config order, a Python loop: a layer's kind is fixed by the config, so each is
+    # traced with its own mixer (not one scanned body: the two kinds interleave)
+    types = cfg["layer_types"]
+    for j, kind in enumerate(types):
+        stack = w["full"] if kind == "full_attention" else w["linear"]
+        x, kv = layer(x, kv, stack, kind, types[:j].count(kind))
+    x = rms_norm(x if last is None else x[:, -last:], w["norm"], eps)
+    head = w["embed"] if cfg.get("tie_word_embeddings") else w["lm_head"]  # [V, D]
+    return mm("btd,vd->btv", x, head.astype(dtype)).astype(F32), kv
+
+
+def layout(cfg):
+    """The weights, {our name: (Hugging Face name, its shape, our shape)}: the top-level ones, and
+    per stack, "linear" and "full", (the indices of its layers, one layer's weights; "{}" in a
+    name is the index). A torch Linear is [out, in]; ours are [in, out] with the heads split out;
+    the depthwise conv's [C, 1, kernel] is ours [kernel, C]."""
+    D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    N, K, H = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    U, Y = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
+    C, kernel = 2 * J * E + U * Y, cfg["linear_conv_kernel_dim"]
+    top = dict(
+        embed=("model.embed_tokens.weight", (V, D), (V, D)),
+        norm=("model.norm.weight", (D,), (D,)),
+    )
+    if not cfg.get("tie_word_embeddings"):
+        top["lm_head"] = ("lm_head.weight", (V, D), (V, D))
+    linear = dict(
+        qkv=("linear_attn.in_proj_qkv.weight", (C, D), (D, C)),  # q, k, v: J·E, J·E, U·Y
+        conv=("linear_attn.conv1d.weight", (C, 1, kernel), (kernel, C)),
+        z=("linear_attn.in_proj_z.weight", (U * Y, D), (D, U, Y)),
+        b=("linear_attn.in_proj_b.weight", (U, D), (D, U)),
+        a=("linear_attn.in_proj_a.weight", (U, D), (D, U)),
+        A_log=("linear_attn.A_log", (U,), (U,)),
+        dt_bias=("linear_attn.dt_bias", (U,), (U,)),
+        norm=("linear_attn.norm.weight", (Y,), (Y,)),
+        out=("linear_attn.out_proj.weight", (D, U * Y), (U, Y, D)),
+    )
+    full = dict(
+        q=("self_attn.q_proj.weight", (N * 2 * H, D), (D, N, 2 * H)),  # a head's query, its gate
+        q_norm=("self_attn.q_norm.weight", (H,), (H,)),
+        k=("self_attn.k_proj.weight", (K * H, D), (D, K, H)),
+        k_norm=("self_attn.k_norm.weight", (H,), (H,)),
+        v=("self_attn.v_proj.weight", (K * H, D), (D, K, H)),
+        o=("self_attn.o_proj.weight", (D, N * H), (N, H, D)),
+    )
+    both = dict(
+        attn_norm=("input_layernorm.weight", (D,), (D,)),
+        mlp_norm=("post_attention_layernorm.weight", (D,), (D,)),
+        gate=("mlp.gate_proj.weight", (F, D), (D, F)),
+        up=("mlp.up_proj.weight", (F, D), (D, F)),
+        down=("mlp.down_proj.weight", (D, F), (F, D)),
+    )
+    stacks = {}
+    for name, mixer in (("linear", linear), ("full", full)):
+        ids = [i for i, t in enumerate(cfg["layer_types"]) if t == f"{name}_attention"]
+        layer = {k: ("model.layers.{}." + hf, *s) for k, (hf, *s) in (mixer | both).items()}
+        stacks[name] = ids, layer
+    return top, stacks
