@@ -1,6 +1,6 @@
-"""Hugging Face checkpoints for qwen3.py (Qwen3, and Llama): config.json checks, safetensors read
-with numpy (one file or sharded) and written, the hub fetch; the tokenizer is lab/tokenizer.py.
-L layers (a layer weight is stacked along a leading L axis, as qwen3.forward takes it), V vocab."""
+"""Hugging Face checkpoints for qwen3.py (Qwen3, Llama) and qwen3_5.py (Qwen3.5): config.json
+checks, safetensors read with numpy (one file or sharded) and written, the hub fetch; the tokenizer
+is lab/tokenizer.py. L layers (a layer weight is stacked along a leading L axis), V vocab."""
 
 import collections
 import importlib.util
@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 import qwen3
+import qwen3_5
 from lab.tokenizer import load_tokenizer, read_json
 
 Model = collections.namedtuple("Model", "cfg weights tokenizer path")  # tokenizer: None if no files
@@ -69,27 +70,62 @@ REQUIRED = [
 
 
 def check_config(cfg, file):
-    """cfg, checked: dense Qwen3 or Llama, no biases, plain RoPE (recent transformers put
+    """cfg, checked: dense Qwen3, Llama or Qwen3.5, no biases, plain RoPE (recent transformers put
     rope_theta and its type in rope_parameters, older ones the type in rope_scaling); a Llama
-    config without head_dim gets D / N, as transformers reads it."""
+    config without head_dim gets D / N, as transformers reads it; Qwen3.5's as qwen3_5_config's."""
     if cfg.get("model_type") == "llama" and "head_dim" not in cfg and "hidden_size" in cfg:
         cfg = dict(cfg, head_dim=cfg["hidden_size"] // cfg.get("num_attention_heads", 1))
+    if cfg.get("model_type") in ("qwen3_5", "qwen3_5_text"):
+        cfg = qwen3_5_config(cfg)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     c = {**rope, **cfg, "rope_type": rope.get("rope_type", rope.get("type", "default"))}
     errors = [f"{k} = {c[k]!r}" for k in UNSUPPORTED if c.get(k)]
-    if c.get("model_type") not in ("qwen3", "llama"):
+    if c.get("model_type") not in ("qwen3", "llama", "qwen3_5_text"):
         errors.append(f"model_type = {c.get('model_type')!r}")
     if c["rope_type"] != "default":  # Llama 3.1 and 3.2's 'llama3' among them
         errors.append(f"rope_type = {c['rope_type']!r}: RoPE scaling is not implemented")
     if c.get("hidden_act", "silu") != "silu":
         errors.append(f"hidden_act = {c['hidden_act']!r}")
     errors += [f"{k} is missing" for k in REQUIRED if k not in c]
+    if c.get("model_type") == "qwen3_5_text" and not errors:
+        errors += qwen3_5_problems(c)
     if errors:
         raise ValueError(
             f"{file}: {'; '.join(errors)}: only dense Qwen3 and Llama checkpoints (model_type "
-            "'qwen3' or 'llama') without biases or RoPE scaling are supported"
+            "'qwen3' or 'llama') without biases or RoPE scaling are supported, and dense Qwen3.5 "
+            "('qwen3_5') with gated attention"
         )
     return cfg
+
+
+def qwen3_5_config(cfg):
+    """Qwen3.5's as Qwen3_5ForCausalLM's (the vision-language wrapper's: its text_config), with
+    transformers' defaults: rope_theta and partial_rotary_factor 0.25 in rope_parameters; layers"""
+    if "text_config" in cfg:  # tied or not as the wrapper says, as transformers reads it
+        tie = cfg.get("tie_word_embeddings", False)
+        cfg = dict(cfg["text_config"], model_type="qwen3_5_text", tie_word_embeddings=tie)
+    L, every = cfg.get("num_hidden_layers", 0), cfg.get("full_attention_interval", 4)
+    types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(L)]
+    rope = {"partial_rotary_factor": 0.25}
+    rope |= {k: cfg[k] for k in ("rope_theta", "partial_rotary_factor") if k in cfg}
+    rope |= cfg.get("rope_parameters") or {}  # rope_parameters' own first, as transformers reads
+    cfg = dict(cfg, architectures=["Qwen3_5ForCausalLM"], rope_parameters=rope)
+    return dict(cfg, layer_types=cfg.get("layer_types") or types)
+
+
+def qwen3_5_problems(c):  # in words; mrope_* pass: text's 3 position rows are equal, M-RoPE is RoPE
+    try:
+        qwen3_5.layout(c)  # the sizes it reads: the linear attention's
+    except KeyError as e:
+        return [f"{e.args[0]} is missing"]
+    problems, kinds = [], sorted(set(c["layer_types"]))
+    if kinds != ["full_attention", "linear_attention"]:  # both, and nothing else
+        problems.append(f"layer_types holds {', '.join(kinds)}")
+    if c.get("attn_output_gate", True) is not True:
+        problems.append(f"attn_output_gate = {c['attn_output_gate']!r}")
+    if c["linear_num_value_heads"] % c["linear_num_key_heads"]:
+        problems.append("linear_num_value_heads is not a multiple of linear_num_key_heads")
+    return problems
 
 
 def fetch(repo, files):
@@ -122,6 +158,14 @@ def config(path, files=("config.json",)):
 
 
 # ---- loading: every header is checked before any tensor is read
+def layout(cfg):
+    """The weights as qwen3_5.layout gives them: qwen3.py's every layer in one stack, "layers"."""
+    if cfg["model_type"] == "qwen3_5_text":
+        return qwen3_5.layout(cfg)
+    top, layers = qwen3.layout(cfg)
+    return top, {"layers": (range(cfg["num_hidden_layers"]), layers)}
+
+
 def tensor_problem(name, shape, entry):  # what is wrong with a tensor's header entry, or ""
     if entry is None:
         return f"tensor {name} is missing"
@@ -144,14 +188,7 @@ def view(file, dtype, shape, start, *_):  # a tensor in its file, read only wher
     return np.memmap(file, DTYPES[dtype], "r", start, shape)
 
 
-def load(path, dtype=jnp.float32, place=None):
-    """A checkpoint: a local directory, or a repo id such as Qwen/Qwen3-0.6B. Each tensor is mapped
-    from its file straight to its devices: place(shapes) gives their shardings (default: one)."""
-    cfg, path = config(path, ["*.json", "*.safetensors", "merges.txt"])
-    top, layers = qwen3.layout(cfg)
-    L = cfg["num_hidden_layers"]
-    expected = {hf: shape for hf, shape, _ in top.values()}
-    expected |= {hf.format(i): shape for hf, shape, _ in layers.values() for i in range(L)}
+def read_headers(path, expected):  # {name: header entry}, checked, of the expected {name: shape}
     index, single = f"{path}/model.safetensors.index.json", f"{path}/model.safetensors"
     sharded = os.path.exists(index)
     if sharded and os.path.exists(single):
@@ -162,20 +199,38 @@ def load(path, dtype=jnp.float32, place=None):
         files = [single]
     header = {}
     for file in files:
-        header |= {k: entry for k, entry in read_header(file)[0].items() if k in expected}
+        # Qwen3.5's vision-language wrapper holds the text model as model.language_model.*, read
+        # as model.*; its vision tower (model.visual.*) and MTP head (mtp.*) are not read
+        tensors = read_header(file)[0].items()
+        names = {re.sub(r"^model\.language_model\.", "model.", k): v for k, v in tensors}
+        header |= {k: entry for k, entry in names.items() if k in expected}
     for name, shape in expected.items():
         problem = tensor_problem(name, shape, header.get(name))
         if problem:
             file = header[name][0] if name in header else (index if sharded else single)
             raise ValueError(f"{file}: {problem}")
+    return header
 
+
+def load(path, dtype=jnp.float32, place=None):
+    """A checkpoint: a local directory, or a repo id such as Qwen/Qwen3-0.6B. Each tensor is mapped
+    from its file straight to its devices: place(shapes) gives their shardings (default: one)."""
+    cfg, path = config(path, ["*.json", "*.safetensors", "merges.txt"])
+    top, stacks = layout(cfg)
+    expected = {hf: shape for hf, shape, _ in top.values()}
+    for ids, layers in stacks.values():
+        expected |= {hf.format(i): shape for hf, shape, _ in layers.values() for i in ids}
+    header = read_headers(path, expected)
     src = {k: view(*header[hf]) for k, (hf, _, _) in top.items()}
-    src["layers"] = {  # [out, in] -> [in, out], one view per layer
-        k: [view(*header[hf.format(i)]).T.reshape(s) for i in range(L)]
-        for k, (hf, _, s) in layers.items()
-    }
     shapes = {k: jax.ShapeDtypeStruct(s, dtype) for k, (_, _, s) in top.items()}
-    shapes["layers"] = {k: jax.ShapeDtypeStruct((L, *s), dtype) for k, (_, _, s) in layers.items()}
+    for name, (ids, layers) in stacks.items():
+        src[name] = {  # [out, in] -> [in, out], one view per layer
+            k: [view(*header[hf.format(i)]).T.reshape(s) for i in ids]
+            for k, (hf, _, s) in layers.items()
+        }
+        shapes[name] = {
+            k: jax.ShapeDtypeStruct((len(ids), *s), dtype) for k, (_, _, s) in layers.items()
+        }
 
     def read(x, slices):  # a block of one tensor, in dtype; of a layer weight: from its L views
         if isinstance(x, list):
@@ -229,11 +284,12 @@ def save(out_dir, cfg, weights, tokenizer_dir=None):
     """Writes config.json and model.safetensors (bf16, Hugging Face names and layout) to out_dir,
     then tokenizer_dir's .json and .txt files but config.json and model.safetensors.index.json."""
     check_save_dir(out_dir)
-    top, layers = qwen3.layout(cfg)
+    top, stacks = layout(cfg)
     arrays = {hf: weights[k] for k, (hf, _, _) in top.items()}
-    for k, (hf, hf_shape, _) in layers.items():
-        for i in range(cfg["num_hidden_layers"]):
-            arrays[hf.format(i)] = weights["layers"][k][i].reshape(hf_shape[::-1]).T  # [out, in]
+    for name, (ids, layers) in stacks.items():
+        for k, (hf, hf_shape, _) in layers.items():
+            for j, i in enumerate(ids):  # [in, out] -> [out, in]
+                arrays[hf.format(i)] = weights[name][k][j].reshape(hf_shape[::-1]).T
     os.makedirs(out_dir, exist_ok=True)
     # model.safetensors first: alone, it still marks the folder as ours
     write_whole(Path(out_dir, "model.safetensors"), safetensors(arrays, "BF16", SAVED_BY))
