@@ -284,3 +284,131 @@ def _strict_json(text):  # json.loads that refuses NaN and ±inf, as strict pars
         raise ValueError(f"{constant} is not JSON")
 
     return json.loads(text, parse_constant=refuse)
+
+
+# ---- a tiny random Qwen3.5 checkpoint in the Hugging Face layout, written without our code
+QWEN3_5_LAYERS = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+def write_tiny_qwen3_5(path, tie=False, vl=False, seed=0, **overrides):
+    """Write a tiny random Qwen3.5 checkpoint to directory `path`; return it. The tokenizer and
+    generation files are write_tiny_checkpoint's. config.json: Qwen3_5ForCausalLM's (vl: the
+    vision-language wrapper's, the text model's config in text_config and its tensors under
+    model.language_model., beside a vision tensor and an MTP tensor), hidden 32, mlp 64, vocab
+    300; full attention: 4 query heads, 2 kv heads, head_dim 16, RoPE on a quarter of it; linear
+    attention: 2 key heads of 8, 4 value heads of 12, conv kernel 4; layer_types QWEN3_5_LAYERS
+    (full attention first: no full_attention_interval gives it). Every weight is random, the norm
+    weights, A_log, dt_bias and the conv included; bfloat16. A token's query is near its own key
+    (their projections and conv taps differ by 0.3 of random): with independent q and k, q·k ~ 0
+    makes the delta rule's output at some tokens a near-cancellation that the gated RMSNorm scales
+    up to unit size, and float32 rounding moves logits by ~5e-4. overrides: text config keys."""
+    write_tiny_checkpoint(path, tie=tie, seed=seed)
+    special = json.load(open(f"{path}/config.json"))
+    cfg = dict(
+        architectures=["Qwen3_5ForCausalLM"],
+        model_type="qwen3_5_text",
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        layer_types=QWEN3_5_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_num_value_heads=4,
+        linear_value_head_dim=12,
+        linear_conv_kernel_dim=4,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        attention_bias=False,
+        bos_token_id=special["bos_token_id"],
+        eos_token_id=special["eos_token_id"],
+    )
+    cfg.update(overrides)
+    D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    N, K, H = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    U, Y = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
+    C = 2 * J * E + U * Y
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not tie:
+        shapes["lm_head.weight"] = (V, D)
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (D,),
+            p + "post_attention_layernorm.weight": (D,),
+            p + "mlp.gate_proj.weight": (F, D),
+            p + "mlp.up_proj.weight": (F, D),
+            p + "mlp.down_proj.weight": (D, F),
+        }
+        if kind == "full_attention":  # q_proj: each head's query, then its output gate
+            shapes |= {
+                p + "self_attn.q_proj.weight": (N * 2 * H, D),
+                p + "self_attn.k_proj.weight": (K * H, D),
+                p + "self_attn.v_proj.weight": (K * H, D),
+                p + "self_attn.o_proj.weight": (D, N * H),
+                p + "self_attn.q_norm.weight": (H,),
+                p + "self_attn.k_norm.weight": (H,),
+            }
+        else:  # in_proj_qkv: q (J·E), k (J·E), v (U·Y), the channels of the depthwise conv
+            shapes |= {
+                p + "linear_attn.in_proj_qkv.weight": (C, D),
+                p + "linear_attn.in_proj_z.weight": (U * Y, D),
+                p + "linear_attn.in_proj_b.weight": (U, D),
+                p + "linear_attn.in_proj_a.weight": (U, D),
+                p + "linear_attn.conv1d.weight": (C, 1, cfg["linear_conv_kernel_dim"]),
+                p + "linear_attn.A_log": (U,),
+                p + "linear_attn.dt_bias": (U,),
+                p + "linear_attn.norm.weight": (Y,),
+                p + "linear_attn.out_proj.weight": (D, U * Y),
+            }
+    rng = np.random.default_rng(seed)
+    tensors = {name: random_qwen3_5_tensor(name, shape, rng) for name, shape in shapes.items()}
+    for name, a in tensors.items():
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # q near k: see above
+            a[: J * E] = a[J * E : 2 * J * E] + 0.3 * a[: J * E]
+    if vl:  # the text model under model.language_model., and tensors the text model never reads
+        tensors = {n.replace("model.", "model.language_model.", 1): a for n, a in tensors.items()}
+        tensors["model.visual.blocks.0.norm1.weight"] = np.ones(16, ml_dtypes.bfloat16)
+        tensors["mtp.fc.weight"] = np.ones((D, 2 * D), ml_dtypes.bfloat16)
+        vision = dict(
+            model_type="qwen3_5_vision",
+            depth=1,
+            hidden_size=16,
+            num_heads=2,
+            intermediate_size=32,
+            patch_size=4,
+            out_hidden_size=D,
+            num_position_embeddings=16,
+        )
+        cfg = dict(
+            architectures=["Qwen3_5ForConditionalGeneration"],
+            model_type="qwen3_5",
+            text_config={k: v for k, v in cfg.items() if k != "architectures"},
+            vision_config=vision,
+            tie_word_embeddings=tie,
+        )
+    write_safetensors(f"{path}/model.safetensors", tensors)
+    json.dump(cfg, open(f"{path}/config.json", "w"), indent=2)
+    return path
+
+
+def random_qwen3_5_tensor(name, shape, rng):  # bfloat16, about the size a trained model's has
+    if name.endswith("A_log"):  # decay rates exp(A_log) from 0.1 to 4
+        a = np.log(rng.uniform(0.1, 4, shape))
+    elif name.endswith(("dt_bias", "linear_attn.norm.weight")):  # about 1
+        a = 1 + 0.3 * rng.standard_normal(shape)
+    elif len(shape) == 1:  # the other norms multiply by 1 + weight: about 0
+        a = 0.3 * rng.standard_normal(shape)
+    elif name.endswith("conv1d.weight"):
+        a = 0.5 * rng.standard_normal(shape)
+    else:  # embeddings O(1), projections scaled by fan-in
+        scale = 0.5 if name.startswith(("model.embed", "lm_head")) else shape[1] ** -0.5
+        a = scale * rng.standard_normal(shape)
+    return a.astype(ml_dtypes.bfloat16)
