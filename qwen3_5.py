@@ -65,11 +65,13 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
         return jnp.moveaxis(a.reshape(B, n, size, *a.shape[2:]), (1, 3), (0, 2))
 
     q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
-    # log decay from the chunk's start to token t, and from token s to t (s <= t)
+
+    # decays: the log decay from the chunk's start to token t, and from token s to t (s <= t)
     gam = jnp.cumsum(g, axis=-1)  # [n, B, U, size]
     causal = jnp.tril(jnp.ones((1, 1, 1, size, size), bool))
     decay = jnp.exp(jnp.where(causal, gam[..., :, None] - gam[..., None, :], -jnp.inf))
-    # the chunk's writes u (beta (v - M^T k) above) from its starting state M_0 solve
+
+    # within chunks: the writes u = beta (v - M^T k) from the chunk's starting state M_0 solve
     # (I + A) u = beta v - beta exp(gam) k M_0, with A[t, s] = beta_t k_t·k_s decay[t, s], s < t
     k_beta = k * beta[..., None]
     A = jnp.tril(jnp.einsum("nbute,nbuse->nbuts", k_beta, k) * decay, -1)
@@ -78,6 +80,7 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
     w = solve(k_beta * jnp.exp(gam)[..., None])  # u = u_0 - w M_0
     attn = jnp.einsum("nbute,nbuse->nbuts", q, k) * decay  # [n, B, U, t, s]
 
+    # across chunks: the state, from each chunk's start to its end
     def step(M, xs):  # one chunk: its writes, its outputs, the state at its end
         u_0, w, attn, q, k, gam = xs
         u = u_0 - jnp.einsum("bute,buey->buty", w, M)
@@ -98,14 +101,14 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype):
     J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
     U, Y = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
     B, T, _ = h.shape
-    # projections; at padding the conv's input, beta and g are zero: it changes nothing
+    # projections: at padding the conv's input, beta and g are zero, so it changes nothing
     qkv = jnp.where(real, mm("btd,dc->btc", h, lw["qkv"]), 0)  # [B, T, C]
     z = mm("btd,duy->btuy", h, lw["z"])
     beta = jnp.where(real, jax.nn.sigmoid(mm("btd,du->btu", h, lw["b"])).astype(F32), 0)
     a = mm("btd,du->btu", h, lw["a"]).astype(F32) + lw["dt_bias"][None, None]
     g = jnp.where(real, -jnp.exp(lw["A_log"].astype(F32))[None, None] * jax.nn.softplus(a), 0)
 
-    # causal depthwise conv over the previous inputs and this call's, then SiLU
+    # causal conv: depthwise over the previous inputs and this call's, then SiLU
     width = lw["conv"].shape[0]
     window = jnp.zeros((B, width - 1, qkv.shape[-1])) if kv is None else kv["conv"][i]
     window = jnp.concatenate([window.astype(h.dtype), qkv], axis=1)  # [B, kernel - 1 + T, C]
@@ -114,8 +117,8 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype):
     # q and k L2-normalised in float32, each key head serving U / J value heads
     q, k = (jnp.repeat(l2_norm(x.reshape(B, T, J, E).astype(F32)), U // J, 2) for x in (q, k))
 
-    # one token (decoding): the recurrence, O(1) a token; a sequence (the trainer, a prompt's
-    # prefill): chunks of 64 tokens, mostly matmuls
+    # delta rule: for one token (decoding) the recurrence, O(1) a token; for a sequence (the
+    # trainer, a prompt's prefill) chunks of 64 tokens, mostly matmuls
     rule = recurrent_delta_rule if T == 1 else chunked_delta_rule
     state = jnp.zeros((B, U, E, Y), F32) if kv is None else kv["state"][i]
     v = v.reshape(B, T, U, Y).astype(F32)
@@ -123,7 +126,8 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype):
     if kv is not None:  # the conv's last inputs, the state
         conv = kv["conv"].at[i].set(window[:, T:].astype(kv["conv"].dtype))
         kv = dict(kv, conv=conv, state=kv["state"].at[i].set(state))
-    # the gated RMSNorm: normed in float32, times w (not 1 + w), then silu(z)
+
+    # gated RMSNorm: normed in float32, times w (not 1 + w), then silu(z)
     o = normed(o.astype(h.dtype), cfg["rms_norm_eps"]).astype(h.dtype)
     o = (o * lw["norm"][None, None, None] * jax.nn.silu(z.astype(F32))).astype(h.dtype)
     return mm("btuy,uyd->btd", o, lw["out"]), kv

@@ -100,7 +100,7 @@ def check_config(cfg, file):
 
 def qwen3_5_config(cfg):
     """Qwen3.5's as Qwen3_5ForCausalLM's (the vision-language wrapper's: its text_config), with
-    transformers' defaults: rope_theta and partial_rotary_factor 0.25 in rope_parameters; layers"""
+    transformers' defaults: layer_types; rope_theta, partial_rotary_factor in rope_parameters"""
     if "text_config" in cfg:  # tied or not as the wrapper says, as transformers reads it
         tie = cfg.get("tie_word_embeddings", False)
         cfg = dict(cfg["text_config"], model_type="qwen3_5_text", tie_word_embeddings=tie)
