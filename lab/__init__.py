@@ -3,7 +3,8 @@
 hf_checkpoint  Hugging Face checkpoints: safetensors, config.json, the tokenizer; load and save
 tokenizer      byte-level BPE through tiktoken, and the checkpoint's own chat template
 gguf           python -m lab.gguf FILE OUT: a GGUF file as a checkpoint folder
-tasks          the tasks and their rewards: GSM8K, the sequence task
+tasks          the tasks and their rewards: GSM8K and arithmetic, the sequence and chain tasks
+problems       GSM8K's files; arithmetic a small model gets right some of the time (held out)
 rollouts       sampling many prompts in device-sized calls; the drift meter
 devices        the FSDP layout of the weights; several processes (jax.distributed)
 harness        flags and their checks, logs, resumable state, Ctrl-C

@@ -115,8 +115,8 @@ def report(args, cfg, res):  # --compare: table, verdict, figure; res {run: summ
         for arm in ("uncentered", "centered")
     }
     harness.table("run", res | means, columns)
-    gsm8k = args.task == "gsm8k"
-    score, name = ("accuracy", "GSM8K") if gsm8k else ("held-out score", "sequence task")
+    chat = args.task not in tasks.TINY  # a checkpoint on problems: an accuracy
+    score, name = ("accuracy", args.task) if chat else ("held-out score", f"{args.task} task")
     summary = dict(res, verdict=verdict(by_seed, score))
     print(summary["verdict"])
     if args.plot and not jax.process_index():

@@ -20,7 +20,8 @@ from lab import devices, hf_checkpoint, tasks
 # flags: every mistake is named in one line before any download, compile or training
 
 SEEDED = {"model": "it builds its model from --seed", "data_dir": "it has no data files"}
-NOT_USED = dict(gsm8k={}, sequence=SEEDED, chain=SEEDED)  # a task's unused flags: refused
+MADE = {"data_dir": "it makes its problems"}
+NOT_USED = dict(gsm8k={}, arithmetic=MADE, sequence=SEEDED, chain=SEEDED)  # a task's: refused
 QWEN3_06B = "Qwen/Qwen3-0.6B"
 OPTIMIZERS = ["sgd", "adam", "adamw"]  # optax's, at a constant learning rate
 W8 = ["int8", "fp8"]  # the 8-bit kinds of numerics a sampler (or its KV cache) may use
@@ -57,7 +58,7 @@ def declare(p, defaults=True):  # defaults=False: none, to see which flags were 
         kw = kw if defaults else dict(kw, default=argparse.SUPPRESS)
         group.add_argument(name, help=help + shown, **kw)
 
-    a("--task", "gsm8k: Qwen3; sequence, chain: tiny, CPU", choices=tasks.RECIPE, default="gsm8k")
+    a("--task", "gsm8k, arithmetic; sequence, chain: tiny", choices=tasks.RECIPE, default="gsm8k")
     a("--center", "score centering: subtract the sampler-expected score", **switch)
     a("--compare", "centring off, then on, from the same start; one table", **switch)
     a("--seeds", "with --compare: the seeds to run, e.g. 0,1", type=csv(int))
@@ -288,8 +289,7 @@ def parse_args(argv=None, description=None):
     if args.sweep and args.task in tasks.TINY:
         recipe = recipe | tasks.SWEEP_RECIPE  # its own: 8 seeds, 150 steps, exact centring
     vars(args).update({k: d for k, d in recipe.items() if getattr(args, k) is None})
-    if jax.process_count() > 1:  # processes enter a run's collectives together: one run at a time
-        args.workers = 1
+    args.workers = 1 if jax.process_count() > 1 else args.workers  # processes step in lockstep
     if args.micro_batch is None:
         args.micro_batch = devices.default_micro_batch(args)
     args.lora_alpha = args.lora if args.lora_alpha is None else args.lora_alpha

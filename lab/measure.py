@@ -2,7 +2,7 @@
 step's drift term against its signal, its greedy GSM8K accuracy.
 
     python -m lab.measure mismatch --model smollm2 --data-dir ../shared/gsm8k
-    python -m lab.measure drift --model smollm2 --max-tokens 128  # on the arithmetic below
+    python -m lab.measure drift --model smollm2 --max-tokens 128  # on lab/problems.py's arithmetic
     python -m lab.measure drift --task chain --max-tokens 64   # the chain task, its levels
     python -m lab.measure accuracy --model smollm2 --data-dir ../shared/gsm8k --n 500
 
@@ -13,7 +13,6 @@ already there; each is printed as a JSON line.
 import argparse
 import json
 import os
-import random
 import time
 
 import jax
@@ -22,27 +21,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import score_centering as sc
-from lab import harness, rollouts, tasks
+from lab import harness, problems, rollouts, tasks
 
 MISMATCH_LEVELS = "0,int8,fp8,0+kv_fp8,0+kv_int8,0+kv_int4,int8+kv_int4,fp8+kv_fp8,0.01,0.02"
 DRIFT_LEVELS = "0,int8,fp8+kv_fp8,int8+kv_int4,0.02"  # the chain sweep's levels (tasks.py)
-
-# Problems of GSM8K's kind (a question, arithmetic, a whole-number answer read as the completion's
-# last number) easy enough that this 135M-parameter model, sampled at temperature 1, answers them
-# right 10-25% of the time: groups of 8 mostly of mixed reward. Its GSM8K score is near 0.
-PROBLEMS = (
-    ("What is {x} + {y}?", lambda x, y: x + y),
-    ("What is {x} times {y}?", lambda x, y: x * y),
-)
-
-
-def arithmetic(n, seed):  # n (question, gold) pairs
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        (question, formula), x, y = rng.choice(PROBLEMS), rng.randint(5, 9), rng.randint(1, 4)
-        out.append((question.format(x=x, y=y), str(formula(x, y))))
-    return out
 
 
 def results(file):  # {key: result} of the lines already written
@@ -134,9 +116,9 @@ def drift(train, args, task, level, seed):
     )
     w_q = train.sampler_weights(task.weights, kind, sigma, jax.random.fold_in(key, 1))
     rng = np.random.default_rng(seed)
-    problems = [task.train[i] for i in rng.choice(len(task.train), args.prompts, replace=False)]
-    problems = [p for p in problems for _ in range(args.group)]
-    prompts, golds = [p for p, _ in problems], [g for _, g in problems]
+    chosen = [task.train[i] for i in rng.choice(len(task.train), args.prompts, replace=False)]
+    chosen = [p for p in chosen for _ in range(args.group)]
+    prompts, golds = [p for p, _ in chosen], [g for _, g in chosen]
     rec = rollouts.generate(sampler, w_q, prompts, task.pad, key, args.data, len(prompts))
     rewards = np.asarray(task.reward(rec["tokens"], rec["mask"], golds), np.float32)
     adv = np.asarray(train.advantage(jnp.asarray(rewards), args.group, "group"))
@@ -207,23 +189,13 @@ def parse(argv=None):
     return args
 
 
-def write_arithmetic(folder, n=1000):  # the stories as GSM8K's jsonl: the same reader, reward
-    os.makedirs(folder, exist_ok=True)
-    for split, seed in (("train", 0), ("test", 1)):
-        with open(f"{folder}/{split}.jsonl", "w") as f:
-            for question, gold in arithmetic(n, seed):
-                f.write(json.dumps(dict(question=question, answer=f"#### {gold}")) + "\n")
-    return folder
-
-
 def load_task(args):  # one line for a bad checkpoint or data folder, as train.py's
     if args.task == "chain":
         return tasks.chain_task(0, 0, 0)
-    data_dir = args.data_dir
-    if args.what == "drift":  # groups of mixed reward: problems the model solves part of the time
-        data_dir = write_arithmetic(f"{args.out}/arithmetic")
+    # drift: groups of mixed reward, on problems the model solves part of the time
+    made = problems.arithmetic() if args.what == "drift" else problems.gsm8k(args.data_dir)
     try:
-        return tasks.gsm8k_task(args.model, data_dir, max(args.rows, args.n), 0)
+        return tasks.gsm8k_task(args.model, made, max(args.rows, args.n), 0)
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
 

@@ -4,12 +4,8 @@ checkpoint; on a CPU, on a tiny Qwen3, the sequence task (a reward per token) th
 costs, and the chain task (GSM8K's shape: one binary reward after a long completion).
 B rows, M completion tokens, V vocabulary, L layers."""
 
-import json
 import math
-import os
 import re
-import shutil
-import urllib.request
 from collections import namedtuple
 
 import jax
@@ -17,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import qwen3
-from lab import hf_checkpoint
+from lab import hf_checkpoint, problems
 
 # train, test: [(prompt tokens, gold)]; probe: [prompt tokens];
 # reward(tokens [B, M], mask [B, M], golds) -> [B]; path: the checkpoint's folder (or None)
@@ -35,6 +31,18 @@ RECIPE = {  # per task, the defaults of the flags that depend on it
         weight_noise=0.0,
         workers=1,  # runs at once: each needs the accelerator's memory
         topk=128,  # the sampler's recorded head; the tail beyond it modelled as p
+    ),
+    "arithmetic": dict(  # lab/arithmetic.py: sums a small model gets right a fifth of the time
+        steps=100,
+        lr=1e-4,
+        prompts=8,
+        max_tokens=128,
+        eval_every=10,
+        eval_n=400,  # every held-out problem
+        sampler="bf16",
+        weight_noise=0.0,
+        workers=1,
+        topk=128,
     ),
     "sequence": dict(
         steps=150,
@@ -70,6 +78,7 @@ SWEEP_RECIPE = dict(seeds=tuple(range(8)), steps=150, eval_every=25, topk=0)
 # and a noise whose kl_q_p is near 0.05, the top of the band measured on fp8 engines
 SWEEP_LEVELS = dict(
     gsm8k="0,0.01,0.03,0.1,int8",
+    arithmetic="0,fp8+kv_fp8",
     sequence="0,0.01,0.03,0.1,int8",
     chain="0,int8,fp8+kv_fp8,int8+kv_int4,0.02",
 )
@@ -81,27 +90,18 @@ SWEEP_LEVELS = dict(
 INSTRUCTION = (
     "\nSolve the problem step by step, then give the final answer as a number on the last line."
 )
-GSM8K_URL = (
-    "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/"
-)
-
-
-def normalise(number):  # "$1,234.50" -> "1234.5", "18.0" -> "18"
-    s = number.strip().replace(",", "").replace("$", "")
-    return s.rstrip("0").rstrip(".") if "." in s else s
 
 
 def reward(completion, gold):  # 1 when the completion's last number is the gold answer
     numbers = re.findall(r"-?\$?\d[\d,]*(?:\.\d+)?", completion)
-    return float(bool(numbers) and normalise(numbers[-1]) == gold)
+    return float(bool(numbers) and problems.normalise(numbers[-1]) == gold)
 
 
-def gsm8k_task(model, data_dir, eval_n, probe_n, place=None):
-    """GSM8K in the checkpoint's chat template; the first eval_n test problems are held out, the
-    first probe_n are the probe. place(shapes): the weights' shardings, read straight from the
-    checkpoint."""
-    train_set = read_gsm8k(data_dir, "train")
-    test_set = read_gsm8k(data_dir, "test")
+def gsm8k_task(model, problems, eval_n, probe_n, place=None):
+    """Problems (train, test) of GSM8K's kind, [(question, gold)] each, in the checkpoint's chat
+    template; the first eval_n test problems are held out, the first probe_n are the probe.
+    place(shapes): the weights' shardings, read straight from the checkpoint."""
+    train_set, test_set = problems
     ckpt = hf_checkpoint.load(model, place=place)
     tok = ckpt.tokenizer
     if tok is None:
@@ -127,58 +127,6 @@ def gsm8k_task(model, data_dir, eval_n, probe_n, place=None):
     return Task(
         ckpt.cfg, ckpt.weights, tok.eos_ids, tok.pad_id, train, test, probe, batch_reward, ckpt.path
     )
-
-
-def read_gsm8k(data_dir, split):
-    """[(question, normalised gold answer)] of a split; without data_dir, downloaded once and
-    cached in ~/.cache/score-centering/gsm8k."""
-    cache = os.path.expanduser("~/.cache/score-centering")
-    path = os.path.join(data_dir or os.path.join(cache, "gsm8k"), f"{split}.jsonl")
-    if not os.path.exists(path):
-        _download(path, split, fresh=not os.path.exists(cache), cache=cache)
-    problems = []
-    for n, line in enumerate(open(path, "rb").read().split(b"\n"), 1):
-        if line.strip():  # blank lines (a trailing one, say) are not problems
-            problems.append(_problem(line, f"{path}:{n}"))
-    if not problems:
-        raise ValueError(
-            f"{path} holds no problems: pass --data-dir with GSM8K's train.jsonl and test.jsonl"
-        )
-    return problems
-
-
-def _problem(line, where):  # one line of GSM8K's jsonl -> (question, normalised gold)
-    try:
-        row = json.loads(line.decode("utf-8"))
-        gold = normalise(row["answer"].split("####")[1])
-        if not re.fullmatch(r"-?\d+(\.\d+)?", gold):
-            raise ValueError(f"the gold answer {gold!r} is not a number")
-        return row["question"], gold
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-        raise ValueError(
-            f"{where}: not a GSM8K line with a 'question' and an 'answer' ending in "
-            f"'#### <number>' ({type(e).__name__}: {e})"
-        ) from None
-
-
-def _download(path, split, fresh, cache):  # GSM8K's split from GitHub, through a .part file
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-
-    def progress(n, size, total):
-        done, total = min(n * size, total) / 1e6, total / 1e6
-        print(f"\rdownloading GSM8K {split}: {done:.1f} / {total:.1f} MB", end="")
-
-    try:
-        urllib.request.urlretrieve(GSM8K_URL + f"{split}.jsonl", path + ".part", progress)
-    except OSError as e:
-        if fresh:  # no empty cache folder left behind
-            shutil.rmtree(cache)
-        raise ValueError(
-            f"GSM8K could not be downloaded from GitHub ({getattr(e, 'reason', e)}): pass "
-            "--data-dir with train.jsonl and test.jsonl"
-        ) from None
-    os.replace(path + ".part", path)
-    print()
 
 
 # -------------------------------------------------------------------------------------------------
@@ -263,10 +211,6 @@ def chain_task(seed, eval_n, probe_n):
 TINY = dict(sequence=sequence_task, chain=chain_task)  # the tasks whose model comes from the seed
 
 
-# -------------------------------------------------------------------------------------------------
-# Loading: every check that config.json allows, before any download of data or weights
-
-
 def load(args, place=None):
     """The task of the flags (--plan: the model's config.json). A bad checkpoint or data file: one
     line, no traceback."""
@@ -277,7 +221,8 @@ def load(args, place=None):
             return cfg
         if args.task in TINY:
             return TINY[args.task](args.seed, args.eval_n, args.probe_n)
-        return gsm8k_task(args.model, args.data_dir, args.eval_n, args.probe_n, place)
+        made = problems.arithmetic() if args.task == "arithmetic" else problems.gsm8k(args.data_dir)
+        return gsm8k_task(args.model, made, args.eval_n, args.probe_n, place)
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
 

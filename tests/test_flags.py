@@ -12,7 +12,7 @@ import pytest
 
 import train
 from helpers import tiny_argv, write_gsm8k, write_tiny_checkpoint
-from lab import harness, hf_checkpoint, tasks
+from lab import harness, hf_checkpoint, problems, tasks
 
 
 def test_relative_paths_to_new_folders_are_accepted(tmp_path, monkeypatch):
@@ -64,7 +64,7 @@ def test_micro_batch_default_fits_small_batches_and_help_shows_defaults(capsys):
         "--seed SEED seed",
         "(default: 0)",
         "--eval-every EVAL_EVERY evaluate every N steps (default: gsm8k 10",
-        "--task {gsm8k,sequence,chain} gsm8k:",
+        "--task {gsm8k,arithmetic,sequence,chain} gsm8k, arithmetic;",
         "(default: Qwen/Qwen3-0.6B)",
     ):
         assert needle in text, needle
@@ -85,6 +85,10 @@ def test_micro_batch_default_fits_small_batches_and_help_shows_defaults(capsys):
         (["--micro-batch", "7"], "--micro-batch"),
         (["--task", "sequence", "--data-dir", "x"], "--data-dir is not used by --task sequence"),
         (["--task", "sequence", "--model", "x"], "--model is not used by --task sequence"),
+        (
+            ["--task", "arithmetic", "--data-dir", "x"],
+            "--data-dir is not used by --task arithmetic",
+        ),
         (["--workers", "2"], "--seeds and --workers are for --compare"),
         (["--seeds", "0,1"], "--seeds"),
         (["--plot", "x.png"], "--plot"),
@@ -223,7 +227,7 @@ def test_flags_checked_against_the_checkpoint_and_offline_data(tmp_path, gsm, ca
     def offline(*a, **kw):
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
 
-    monkeypatch.setattr(tasks.urllib.request, "urlretrieve", offline)
+    monkeypatch.setattr(problems.urllib.request, "urlretrieve", offline)
     monkeypatch.setenv("HOME", str(tmp_path))
     msg = _error(["--model", gsm[0], "--max-tokens", "8"], capsys)
     assert "GSM8K could not be downloaded" in msg and "--data-dir" in msg

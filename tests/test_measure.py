@@ -2,7 +2,6 @@
 (mismatch, drift, accuracy) on the tiny model against a direct computation from its sampler's own
 record; its problems are GSM8K lines whose gold answers are their stories' arithmetic."""
 
-import re
 import types
 
 import jax
@@ -122,15 +121,6 @@ def test_accuracy_is_the_share_rewarded_and_ended_the_share_with_an_eos(tiny):
     ended = [any(t in STOP for t in row[m]) for row, m in rows]  # an eos among its tokens
     assert r["ended"] == np.mean(ended) and 0 < r["ended"] < 1
     assert r["accuracy"] == np.mean(even_first(rec["tokens"], rec["mask"], None)) and r["n"] == 8
-
-
-def test_the_arithmetic_problems_read_as_gsm8k_with_their_storys_answer(tmp_path):
-    folder = measure.write_arithmetic(str(tmp_path / "arith"), n=200)
-    problems = tasks.read_gsm8k(folder, "train")
-    assert len(problems) == 200 and len({q for q, _ in problems}) == 2 * 5 * 4
-    for question, gold in problems:
-        x, y = map(int, re.findall(r"\d+", question))
-        assert gold == str(x + y if "+" in question else x * y), question
 
 
 @pytest.mark.parametrize(

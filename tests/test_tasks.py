@@ -12,7 +12,7 @@ import pytest
 import qwen3
 import train
 from helpers import write_gsm8k
-from lab import harness, rollouts, tasks
+from lab import harness, problems, rollouts, tasks
 
 # the project root: GSM8K's files, when present, are in ../shared/gsm8k beside it
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,9 +59,9 @@ def test_gsm8k_gold_answers_and_malformed_lines(tmp_path):
     ):
         path.write_text(good + bad)
         with pytest.raises(ValueError, match=f"{path}:2"):
-            tasks.read_gsm8k(str(tmp_path), "train")
+            problems.read_gsm8k(str(tmp_path), "train")
     path.write_text(good)
-    assert tasks.read_gsm8k(str(tmp_path), "train") == [("q?", "1000")]
+    assert problems.read_gsm8k(str(tmp_path), "train") == [("q?", "1000")]
 
 
 GSM8K = os.path.join(ROOT, "..", "shared", "gsm8k")
@@ -73,11 +73,11 @@ def test_the_real_gsm8k_files_parse_and_every_reference_solution_earns_its_rewar
     number, and every reference solution, given as a completion, rewarded 1 (and a wrong final
     number 0)."""
     for split, n in (("train", 7473), ("test", 1319)):
-        problems = tasks.read_gsm8k(GSM8K, split)
-        assert len(problems) == n, split
-        assert all(re.fullmatch(r"-?\d+(\.\d+)?", gold) for _, gold in problems)
+        found = problems.read_gsm8k(GSM8K, split)
+        assert len(found) == n, split
+        assert all(re.fullmatch(r"-?\d+(\.\d+)?", gold) for _, gold in found)
         rows = [json.loads(line) for line in open(os.path.join(GSM8K, f"{split}.jsonl"))]
-        for row, (question, gold) in zip(rows, problems, strict=True):
+        for row, (question, gold) in zip(rows, found, strict=True):
             assert question == row["question"]
             assert tasks.reward(row["answer"], gold) == 1.0, row["answer"]
             assert tasks.reward(row["answer"] + "\n" + str(float(gold) + 1), gold) == 0.0
@@ -87,8 +87,8 @@ def test_trailing_blank_line_is_tolerated(tmp_path):
     data = write_gsm8k(tmp_path / "d", n_train=2)
     with open(os.path.join(data, "train.jsonl"), "a") as f:
         f.write("\n")
-    problems = tasks.read_gsm8k(data, "train")
-    assert problems == [("What is 0 + 0?", "0"), ("What is 1 + 1?", "2")]
+    found = problems.read_gsm8k(data, "train")
+    assert found == [("What is 0 + 0?", "0"), ("What is 1 + 1?", "2")]
 
 
 def test_sequence_reward_is_p0_top3_in_the_lower_half_over_the_mask():
@@ -131,3 +131,32 @@ def test_evaluation_is_greedy_the_same_under_two_keys():
     ]
     np.testing.assert_array_equal(outs[0]["tokens"], outs[1]["tokens"])
     np.testing.assert_array_equal(outs[0]["tokens"], outs[0]["head_ids"][..., 0])  # the argmax
+
+
+def _sum_of(question):  # the arithmetic a question asks for, read from its words alone
+    a, b = map(int, re.findall(r"\d+", question))
+    if re.search(r"from|added to", question):  # "Subtract 3 from 9", "3 added to 9": b first
+        a, b = b, a
+    if re.search(r"\+|plus|sum|add", question, re.I):
+        return "+", min(a, b), max(a, b), a + b
+    if re.search(r"-|minus|difference|take|subtract", question, re.I):
+        return "-", a, b, a - b
+    assert re.search(r"times|multipl|product|groups| x |\*", question, re.I), question
+    return "x", min(a, b), max(a, b), a * b
+
+
+def test_arithmetic_problems_are_distinct_their_answers_right_and_held_out_sums_unseen(tmp_path):
+    """2,000+ distinct training problems and 400 held out; each gold is the question's arithmetic
+    read from its words; no held-out sum (3 + 4 and 4 + 3 are one) in any training wording; the
+    files `python -m lab.problems` writes read back as GSM8K's, the same problems."""
+    train_set, test_set = problems.arithmetic()
+    assert len(set(train_set)) == len(train_set) >= 2000 and len(set(test_set)) == 400
+    sums = {}
+    for name, split in (("train", train_set), ("test", test_set)):
+        sums[name] = {_sum_of(q) for q, _ in split}
+        for question, gold in split:
+            assert gold == str(_sum_of(question)[3]), question
+    assert not sums["train"] & sums["test"] and len(sums["test"]) >= 40
+    assert problems.arithmetic() == (train_set, test_set) != problems.arithmetic(seed=1)
+    folder = problems.write(str(tmp_path / "arithmetic"))
+    assert problems.gsm8k(folder) == (train_set, test_set)
