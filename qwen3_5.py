@@ -1,6 +1,6 @@
 """Qwen3.5 (dense) in pure JAX, the model only, with qwen3.py's forward contract. A hybrid: config
-layer_types says which layers are Gated DeltaNet (linear attention: a causal conv, then the gated
-delta rule's recurrent state) and which are gated full attention (QK-norm, partial RoPE, GQA).
+layer_types makes each layer Gated DeltaNet (linear attention: a causal conv, then the gated delta
+rule's recurrent state) or gated full attention (QK-norm, partial RoPE, GQA, a sigmoid output gate).
 B batch rows, T query length, S key/KV-cache length, D model width, F MLP hidden, V vocab; full
 attention: N query heads, K key/value heads, R = N/K, H head dimension; linear attention: J key
 heads of dimension E, U value heads of dimension Y (U a multiple of J), C = 2·J·E + U·Y channels.
@@ -30,34 +30,28 @@ def l2_norm(x):  # x / |x| over the last axis, eps 1e-6 under the root (as trans
 def rope(x, pos, base, rotary):  # rotate-half RoPE on the first `rotary` channels; x [B, T, N, H]
     half = rotary // 2
     angle = jnp.einsum("bt,h->bth", pos.astype(F32), 1 / base ** (jnp.arange(half) / half))
-    cos = jnp.cos(angle)[:, :, None, :].astype(x.dtype)
-    sin = jnp.sin(angle)[:, :, None, :].astype(x.dtype)
+    cos, sin = (f(angle)[:, :, None, :].astype(x.dtype) for f in (jnp.cos, jnp.sin))
     x1, x2 = x[..., :half], x[..., half:rotary]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary:]], axis=-1)
 
 
-# ---- the gated delta rule: per head a state M [E, Y]; each token decays it by exp(g), writes
-# beta times the part of v that M does not yet predict from k, and reads it with q:
+# ---- the gated delta rule: per value head a state M [E, Y]; each token decays it by exp(g),
+# writes beta times the part of v that M does not yet predict from k, and reads it with q:
 #   M <- exp(g) M;  M <- M + beta k (v - M^T k)^T;  o = M^T q
-def recurrent_delta_rule(q, k, v, g, beta, state, state_dtype):
-    """Token by token. q, k [B, T, U, E], v [B, T, U, Y], g and beta [B, T, U], all float32;
-    state [B, U, E, Y], rounded to state_dtype after each token. Returns o [B, T, U, Y], state."""
-
-    def step(M, xs):
-        q, k, v, g, beta = xs
-        M = M * jnp.exp(g)[..., None, None]
-        delta = (v - jnp.einsum("bue,buey->buy", k, M)) * beta[..., None]
-        M = M + jnp.einsum("bue,buy->buey", k, delta)
-        return M.astype(state_dtype).astype(F32), jnp.einsum("bue,buey->buy", q, M)
-
-    state, o = jax.lax.scan(step, state, [jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)])
-    return jnp.moveaxis(o, 0, 1), state
+def recurrent_delta_rule(q, k, v, g, beta, M, state_dtype):
+    """One token: q, k [B, U, E], v [B, U, Y], g and beta [B, U], all float32, and the state M
+    [B, U, E, Y]. Returns o [B, U, Y] and the new state, rounded to state_dtype."""
+    M = M * jnp.exp(g)[..., None, None]
+    write = (v - jnp.einsum("bue,buey->buy", k, M)) * beta[..., None]
+    M = M + jnp.einsum("bue,buy->buey", k, write)
+    return jnp.einsum("bue,buey->buy", q, M), M.astype(state_dtype).astype(F32)
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
-    """The same, 64 tokens a chunk: within one the recurrence is solved at once (a triangular
-    system, then matmuls), and the state passes from chunk to chunk (rounded to state_dtype)."""
-    B, T = k.shape[:2]
+    """The same over T tokens (each input with a T axis after B), 64 a chunk: within a chunk the
+    recurrence is solved at once (a triangular system, then matmuls), and the state passes from
+    chunk to chunk, rounded to state_dtype. Returns o [B, T, U, Y] and the state."""
+    B, T = g.shape[:2]
     n = -(-T // size)
 
     def chunks(a):  # [B, T, U, ...] -> [n, B, U, size, ...], zeros at the end: g = beta = 0 there
@@ -65,23 +59,19 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
         return jnp.moveaxis(a.reshape(B, n, size, *a.shape[2:]), (1, 3), (0, 2))
 
     q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
-
-    # decays: the log decay from the chunk's start to token t, and from token s to t (s <= t)
+    # decays: exp(gam) from the chunk's start to token t, decay[t, s] from token s to t, s <= t
+    # (above the diagonal the exponent is clipped at 0, so exp stays finite, then masked)
     gam = jnp.cumsum(g, axis=-1)  # [n, B, U, size]
-    causal = jnp.tril(jnp.ones((1, 1, 1, size, size), bool))
-    decay = jnp.exp(jnp.where(causal, gam[..., :, None] - gam[..., None, :], -jnp.inf))
-
-    # within chunks: the writes u = beta (v - M^T k) from the chunk's starting state M_0 solve
-    # (I + A) u = beta v - beta exp(gam) k M_0, with A[t, s] = beta_t k_t·k_s decay[t, s], s < t
-    k_beta = k * beta[..., None]
-    A = jnp.tril(jnp.einsum("nbute,nbuse->nbuts", k_beta, k) * decay, -1)
+    decay = jnp.tril(jnp.exp(jnp.minimum(gam[..., :, None] - gam[..., None, :], 0)))
+    # within chunks: from a chunk's starting state M, the writes u = beta (v - M^T k) solve
+    # (I + A) u = beta v - beta exp(gam) M^T k, A[t, s] = beta_t k_t·k_s decay[t, s] for s < t
+    A = jnp.tril(jnp.einsum("nbute,nbuse->nbuts", k, k) * decay, -1) * beta[..., None]
     solve = partial(jax.scipy.linalg.solve_triangular, A, lower=True, unit_diagonal=True)
-    u_0 = solve(v * beta[..., None])  # the writes if M_0 = 0
-    w = solve(k_beta * jnp.exp(gam)[..., None])  # u = u_0 - w M_0
-    attn = jnp.einsum("nbute,nbuse->nbuts", q, k) * decay  # [n, B, U, t, s]
+    u_0 = solve(v * beta[..., None])  # the writes if M = 0
+    w = solve(k * (beta * jnp.exp(gam))[..., None])  # u = u_0 - w M
+    attn = jnp.einsum("nbute,nbuse->nbuts", q, k) * decay
 
-    # across chunks: the state, from each chunk's start to its end
-    def step(M, xs):  # one chunk: its writes, its outputs, the state at its end
+    def step(M, xs):  # across chunks: one chunk's writes and outputs, the state at its end
         u_0, w, attn, q, k, gam = xs
         u = u_0 - jnp.einsum("bute,buey->buty", w, M)
         o = jnp.einsum("bute,buey->buty", q * jnp.exp(gam)[..., None], M)
@@ -108,22 +98,24 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype):
     a = mm("btd,du->btu", h, lw["a"]).astype(F32) + lw["dt_bias"][None, None]
     g = jnp.where(real, -jnp.exp(lw["A_log"].astype(F32))[None, None] * jax.nn.softplus(a), 0)
 
-    # causal conv: depthwise over the previous inputs and this call's, then SiLU
+    # causal conv: depthwise over the previous inputs and this call's, then SiLU; q and k
+    # L2-normalised in float32, each key head serving U / J value heads
     width = lw["conv"].shape[0]
     window = jnp.zeros((B, width - 1, qkv.shape[-1])) if kv is None else kv["conv"][i]
-    window = jnp.concatenate([window.astype(h.dtype), qkv], axis=1)  # [B, kernel - 1 + T, C]
+    window = jnp.concatenate([window.astype(h.dtype), qkv], axis=1)  # [B, width - 1 + T, C]
     conv = sum(window[:, j : j + T] * lw["conv"][None, None, j] for j in range(width))
     q, k, v = jnp.split(jax.nn.silu(conv), [J * E, 2 * J * E], axis=-1)
-    # q and k L2-normalised in float32, each key head serving U / J value heads
     q, k = (jnp.repeat(l2_norm(x.reshape(B, T, J, E).astype(F32)), U // J, 2) for x in (q, k))
+    xs = (q * E**-0.5, k, v.reshape(B, T, U, Y).astype(F32), g, beta)  # the delta rule's inputs
 
-    # delta rule: for one token (decoding) the recurrence, O(1) a token; for a sequence (the
-    # trainer, a prompt's prefill) chunks of 64 tokens, mostly matmuls
-    rule = recurrent_delta_rule if T == 1 else chunked_delta_rule
+    # delta rule
     state = jnp.zeros((B, U, E, Y), F32) if kv is None else kv["state"][i]
-    v = v.reshape(B, T, U, Y).astype(F32)
-    o, state = rule(q * E**-0.5, k, v, g, beta, state, state_dtype)  # [B, T, U, Y]
-    if kv is not None:  # the conv's last inputs, the state
+    if T == 1:  # a decoded token (the sampler): the recurrence, O(1) a token
+        o, state = recurrent_delta_rule(*(x[:, 0] for x in xs), state, state_dtype)
+        o = o[:, None]  # [B, T, U, Y]
+    else:  # a sequence (the trainer, a prefill): 64 tokens a chunk, mostly matmuls
+        o, state = chunked_delta_rule(*xs, state, state_dtype)
+    if kv is not None:
         conv = kv["conv"].at[i].set(window[:, T:].astype(kv["conv"].dtype))
         kv = dict(kv, conv=conv, state=kv["state"].at[i].set(state))
 
@@ -133,20 +125,19 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype):
     return mm("btuy,uyd->btd", o, lw["out"]), kv
 
 
-def init_kv(cfg, B, S, dtype=jnp.float32):
+def init_kv(cfg, B, S, dtype=F32):
     """An empty cache: per linear-attention layer the conv's last inputs and the state (float32,
     forward's state_dtype sets its precision), per full-attention layer K and V; position -1 marks
-    an empty KV slot."""
+    an empty slot."""
     J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
     U, Y = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
     n_linear = cfg["layer_types"].count("linear_attention")
-    n_full = cfg["layer_types"].count("full_attention")
-    shape = (n_full, B, S, cfg["num_key_value_heads"], cfg["head_dim"])
+    shape = (len(cfg["layer_types"]) - n_linear, B, S, cfg["num_key_value_heads"], cfg["head_dim"])
     return dict(
         conv=jnp.zeros((n_linear, B, cfg["linear_conv_kernel_dim"] - 1, 2 * J * E + U * Y), dtype),
         state=jnp.zeros((n_linear, B, U, E, Y), F32),
-        k=jnp.zeros(shape, dtype),  # [n_full, B, S, K, H]
-        v=jnp.zeros(shape, dtype),  # [n_full, B, S, K, H]
+        k=jnp.zeros(shape, dtype),  # [full layers, B, S, K, H]
+        v=jnp.zeros(shape, dtype),  # [full layers, B, S, K, H]
         pos=jnp.full((B, S), -1, jnp.int32),  # [B, S]
     )
 
@@ -160,28 +151,24 @@ def forward(
     start=0,
     *,
     mm=jnp.einsum,
-    dtype=jnp.float32,
+    dtype=F32,
     last=None,
     kv_quant=None,
-    state_dtype=jnp.float32,
+    state_dtype=F32,
 ):
     """Logits float32 [B, T, V] (or [B, last, V] for the last `last` positions) and the updated kv,
-    as qwen3.forward: tokens [B, T]; pos [B, T] their positions, < 0 for left padding. With kv,
-    full attention writes this call's keys, values and positions at cache slots [start, start + T)
-    (K and V as kv_quant(a) if given) and attends over the whole cache; linear attention continues
-    from its conv inputs and state and leaves the new ones. state_dtype: the precision the delta
-    rule's state is held at. Each weight matmul is mm(spec, activation, weight)."""
+    as qwen3.forward (pos < 0: left padding; with kv, full attention writes this call's keys and
+    values, as kv_quant(a) if given, at slots [start, start + T) and attends over the cache); linear
+    attention continues from the cache's conv inputs and state and leaves the new ones there.
+    state_dtype: the precision the state is held at. A weight matmul: mm(spec, activation, w)."""
     eps, H = cfg["rms_norm_eps"], cfg["head_dim"]
     base = cfg["rope_parameters"]["rope_theta"]
     rotary = int(H * cfg["rope_parameters"]["partial_rotary_factor"])
-    if kv is None:
-        kpos = pos
-    else:
-        kpos = jax.lax.dynamic_update_slice(kv["pos"], pos.astype(jnp.int32), (0, start))
+    kpos = pos if kv is None else jax.lax.dynamic_update_slice(kv["pos"], pos, (0, start))
     mask = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= pos[:, :, None])  # [B, T, S]
     x = w["embed"][tokens].astype(dtype)  # [B, T, D]
 
-    def write(cache, a, i):  # a [B, T, K, H] into layer i of the cache [n_full, B, S, K, H]
+    def write(cache, a, i):  # a [B, T, K, H] into layer i of the cache, in place
         return jax.lax.dynamic_update_slice(cache, a[None].astype(cache.dtype), (i, 0, start, 0, 0))
 
     def full_attention(h, lw, kv, i):
@@ -190,11 +177,10 @@ def forward(
         q = rope(rms_norm(q, lw["q_norm"], eps), pos, base, rotary)
         k = rope(rms_norm(mm("btd,dkh->btkh", h, lw["k"]), lw["k_norm"], eps), pos, base, rotary)
         v = mm("btd,dkh->btkh", h, lw["v"])
-        # KV cache: write this call's keys and values, then attend over the whole cache
+        # KV cache: this call's keys and values in (as a quantised cache stores them), then all out
         if kv is not None:
-            if kv_quant:  # as a quantised cache stores them
-                k, v = kv_quant(k), kv_quant(v)
-            kv = dict(kv, k=write(kv["k"], k, i), v=write(kv["v"], v, i))  # in place
+            k, v = (kv_quant(k), kv_quant(v)) if kv_quant else (k, v)
+            kv = dict(kv, k=write(kv["k"], k, i), v=write(kv["v"], v, i))
             k, v = kv["k"][i].astype(dtype), kv["v"][i].astype(dtype)
         q = q.reshape(*q.shape[:2], k.shape[2], -1, H)  # [B, T, K, R, H]
         s = jnp.einsum("btkrh,bskh->bkrts", q, k, preferred_element_type=F32) * H**-0.5
@@ -203,8 +189,7 @@ def forward(
         o = jnp.einsum("bkrts,bskh->btkrh", probs, v).reshape(gate.shape)  # [B, T, N, H]
         return mm("btnh,nhd->btd", o * jax.nn.sigmoid(gate), lw["o"]), kv
 
-    # recompute a layer in the backward pass instead of storing its activations
-    @partial(jax.checkpoint, static_argnums=(3, 4))
+    @partial(jax.checkpoint, static_argnums=(3, 4))  # recomputed in the backward pass, not stored
     def layer(x, kv, stack, kind, i):  # the i-th layer of its kind
         lw = jax.tree.map(lambda a: a[i].astype(dtype), stack)
         h = rms_norm(x, lw["attn_norm"], eps)
@@ -218,9 +203,8 @@ def forward(
         h = jax.nn.silu(mm("btd,df->btf", h, lw["gate"])) * mm("btd,df->btf", h, lw["up"])
         return x + mm("btf,fd->btd", h, lw["down"]), kv
 
+    # the layers in config order, a Python loop: the kinds interleave, each with its own weights
     kv = None if kv is None else dict(kv, pos=kpos)
-    # the layers in config order, a Python loop: a layer's kind is fixed by the config, so each is
-    # traced with its own mixer (not one scanned body: the two kinds interleave)
     types = cfg["layer_types"]
     for j, kind in enumerate(types):
         stack = w["full"] if kind == "full_attention" else w["linear"]

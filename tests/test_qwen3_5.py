@@ -214,8 +214,8 @@ def test_every_weight_matmul_goes_through_mm(tiny):
 
 
 def test_gradients_finite_through_padding(tiny):
-    """The trainer's pass, left padding included: the chunked rule's masked decays (-inf before
-    exp) give finite gradients, and the linear attention's own weights get some."""
+    """The trainer's pass, left padding included: the chunked rule's masked decays (clipped at 0
+    before exp) give finite gradients, and the linear attention's own weights get some."""
     cfg = dict(tiny.cfg, layer_types=["linear_attention"])  # one layer: a cheaper compile
     tokens = jnp.array([[0, 0, 0, 5, 6, 7], [8, 9, 10, 11, 12, 13]])
     pos = jnp.array([[-3, -2, -1, 0, 1, 2], list(range(6))])
