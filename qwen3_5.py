@@ -48,9 +48,8 @@ def recurrent_delta_rule(q, k, v, g, beta, M, state_dtype):
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
-    """The same over T tokens (each input with a T axis after B), 64 a chunk: within a chunk the
-    recurrence is solved at once (a triangular system, then matmuls), and the state passes from
-    chunk to chunk, rounded to state_dtype. Returns o [B, T, U, Y] and the state."""
+    """The same over T tokens (a T axis after B), 64 a chunk: within a chunk solved at once (a
+    triangular system, then matmuls), the state passed on between chunks, rounded to state_dtype."""
     B, T = g.shape[:2]
     n = -(-T // size)
 
@@ -126,9 +125,8 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype):
 
 
 def init_kv(cfg, B, S, dtype=F32):
-    """An empty cache: per linear-attention layer the conv's last inputs and the state (float32,
-    forward's state_dtype sets its precision), per full-attention layer K and V; position -1 marks
-    an empty slot."""
+    """An empty cache: per linear-attention layer the conv's last inputs and the state (float32:
+    state_dtype sets its precision), per full-attention layer K and V; position -1: empty slot."""
     J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
     U, Y = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
     n_linear = cfg["layer_types"].count("linear_attention")
@@ -216,9 +214,8 @@ def forward(
 
 def layout(cfg):
     """The weights, {our name: (Hugging Face name, its shape, our shape)}: the top-level ones, and
-    per stack, "linear" and "full", (the indices of its layers, one layer's weights; "{}" in a
-    name is the index). A torch Linear is [out, in]; ours are [in, out] with the heads split out;
-    the depthwise conv's [C, 1, kernel] is ours [kernel, C]."""
+    per stack (its layers' indices, one layer's weights, "{}" the index in a name). A torch Linear
+    [out, in] is ours [in, out], heads split out; the conv's [C, 1, kernel] is ours [kernel, C]."""
     D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     N, K, H = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
