@@ -20,7 +20,6 @@ a prompt, B = P·G rows, T positions, T0 prompt length, M completion length, V v
 top-k head size, D model width, L layers, K key/value heads, H head dimension.
 """
 
-import math
 from collections import namedtuple
 from functools import cache, partial
 
@@ -32,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import qwen3
 import score_centering as sc
-from lab import compare, harness, hf_checkpoint, plan, rollouts, tasks
+from lab import compare, harness, hf_checkpoint, lora, plan, rollouts, tasks
 from lab.devices import host, shardings
 
 TEMPERATURE = 1.0  # the sampler's; the recorded log q is the post-temperature distribution
@@ -42,7 +41,6 @@ SAMPLER_DTYPE = jnp.bfloat16  # the sampler's weights and activations (W8A8: the
 INPUT_AXES = dict(q=(1,), k=(1,), v=(1,), o=(1, 2), gate=(1,), up=(1,), down=(1,), embed=(1,))
 INPUT_AXES["lm_head"] = (1,)  # untied: the output head, [V, D] like the embedding
 # (o is [L, N, H, D]: its input, axes 1 and 2, is the N heads' outputs of H each)
-PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # LoRA's: every attention and MLP matmul
 
 # -------------------------------------------------------------------------------------------------
 # The sampler: a bf16 copy of the weights, its own numerics; KV-cache decoding that records q
@@ -183,54 +181,6 @@ def advantage(rewards, group, baseline):  # [..., B] -> [..., B]: minus its grou
     return rewards - means.repeat(group, -1)
 
 
-def lora_init(w, rank, key):
-    """Adapters per projection: lora_a normal of variance 1/fan-in, lora_b = 0 (starts at base)."""
-    adapters = {}
-    for name, key_a in zip(PROJECTIONS, jax.random.split(key, len(PROJECTIONS)), strict=True):
-        x = w["layers"][name]  # [L, inputs..., outputs...]
-        fan_in = math.prod(x.shape[1 : 1 + len(INPUT_AXES[name])])
-        lora_a = jax.random.normal(key_a, (x.shape[0], fan_in, rank)) * fan_in**-0.5
-        lora_b = jnp.zeros((x.shape[0], rank, x[0].size // fan_in))
-        adapters[name] = dict(lora_a=lora_a, lora_b=lora_b)
-    return adapters
-
-
-def merge(params, base, scale=None):
-    """The policy's weights: base + scale · lora_a lora_b per projection (no base: the params)."""
-    if base is None:
-        return params
-    layers = dict(base["layers"])
-    for name, ab in params.items():
-        delta = scale * jnp.einsum("lir,lro->lio", ab["lora_a"], ab["lora_b"])
-        layers[name] = layers[name] + delta.reshape(layers[name].shape)
-    return dict(base, layers=layers)
-
-
-def attach(params, base):  # the trainer's weights: each projection's W with its adapters
-    adapted = {name: dict(w=base["layers"][name], **ab) for name, ab in params.items()}
-    return dict(base, layers=base["layers"] | adapted)
-
-
-def lora_mm(scale):
-    """The trainer's matmul, where a weight may carry adapters (dict(w=W, lora_a, lora_b)): x W +
-    scale · (x lora_a) lora_b, which is x merge(...) up to rounding, and whose backward pass forms
-    no gradient of a whole W (merged, it does: a third of the layers' work)."""
-
-    def mm(spec, x, w):  # spec "btd,dnh->btnh": x's letters, W's (its inputs first), the output's
-        if not isinstance(w, dict):
-            return jnp.einsum(spec, x, w)
-        (x_axes, w_axes), out = spec.split("->")[0].split(","), spec.split("->")[1]
-        n_in = sum(c in x_axes for c in w_axes)  # W's input letters (d), then its outputs (nh)
-        rows = "".join(c for c in x_axes if c not in w_axes)  # bt
-        lora_a = w["lora_a"].reshape(*w["w"].shape[:n_in], -1)  # [inputs..., r]
-        lora_b = w["lora_b"].reshape(-1, *w["w"].shape[n_in:])  # [r, outputs...]
-        xa = jnp.einsum(f"{x_axes},{w_axes[:n_in]}z->{rows}z", x, lora_a)  # z: the rank
-        delta = jnp.einsum(f"{rows}z,z{w_axes[n_in:]}->{out}", xa, lora_b)
-        return jnp.einsum(spec, x, w["w"]) + scale * delta
-
-    return mm
-
-
 def make_train_step(cfg, opt, micro_batch, mesh, center, tis_cap=None, mis=None, lora_scale=None):
     """fn(params, opt_state, batch, base=None) -> (params, opt_state, metrics); params: weights, or
     LoRA adapters on the frozen `base`; batch: the sampler's record, prompt, pos [B, T0], adv [B].
@@ -239,8 +189,9 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, tis_cap=None, mis=None,
     options = dict(center=center, tis_cap=tis_cap, mis=mis)  # all that --center changes: a keyword
 
     def token_sum_loss(params, base, b):
-        w = params if base is None else attach(params, base)
-        logits = completion_logits(cfg, w, b["prompt"], b["pos"], b["tokens"], lora_mm(lora_scale))
+        w = params if base is None else lora.attach(params, base)  # LoRA: W and its adapters
+        mm = lora.matmul(lora_scale)  # x W + scale · (x lora_a) lora_b, never merged
+        logits = completion_logits(cfg, w, b["prompt"], b["pos"], b["tokens"], mm)
         head = b["head_logq"], b.get("head_ids")  # the sampler's top-k log q and ids (topk 0: none)
         loss, metrics = sc.loss(
             logits, b["tokens"], b["mask"], b["adv"], b["logq"], *head, **options
@@ -378,7 +329,7 @@ def build(args, cfg, eos):
     steps = [
         make_train_step(cfg, opt, args.micro_batch, mesh, c, **loss_flags) for c in (False, True)
     ]
-    policy = jax.jit(partial(merge, scale=lora_scale)) if args.lora else merge  # LoRA: merged
+    policy = jax.jit(partial(lora.merge, scale=lora_scale)) if args.lora else lora.merge
     greedy = make_sampler(cfg, args.max_tokens, 1, eos, greedy=True)
     prober = make_sampler(cfg, args.max_tokens, 1, eos)
     logp = jax.jit(partial(token_logp, cfg))
@@ -399,7 +350,8 @@ def run(args, task, fn, center, seed, out, prefix=""):
     w = jax.tree.map(jnp.copy, jax.device_put(task.weights, shardings(task.weights, fn.mesh)))
     params, base = w, None
     if args.lora:
-        params, base = jax.device_put(lora_init(w, args.lora, lora_key), replicated), w
+        adapters = lora.init(w, args.lora, lora_key, INPUT_AXES)
+        params, base = jax.device_put(adapters, replicated), w
     where = replicated if args.lora else shardings(jax.eval_shape(fn.opt.init, params), fn.mesh)
     opt_state = jax.jit(fn.opt.init, out_shardings=where)(params)  # no device holds all of Adam's
 
@@ -414,9 +366,12 @@ def run(args, task, fn, center, seed, out, prefix=""):
     probe = rollouts.generate(fn.prober, copy(params), task.probe, task.pad, probe_key, data, rows)
     drift = rollouts.drift_meter(fn.logp, probe, policy(params), args.micro_batch, data)
     test, golds = [p for p, _ in task.test], [gold for _, gold in task.test]
+    held_out = rows * -(
+        -min(len(test), 512) // rows
+    )  # rows a call: up to 512 in one, as few as fit
 
     def evaluate(params):
-        greedy = rollouts.generate(fn.greedy, copy(params), test, task.pad, key, data, rows)
+        greedy = rollouts.generate(fn.greedy, copy(params), test, task.pad, key, data, held_out)
         acc = float(np.mean(task.reward(greedy["tokens"], greedy["mask"], golds)))
         return dict(drift=drift(policy(params)), acc=acc)
 
@@ -470,7 +425,8 @@ def main(argv=None):
     def work():
         task = tasks.load(args, shardings)  # bad input: one line
         if args.plan:  # then `task` is the model's config.json alone, and (0,) stands in for eos
-            return plan.plan(args, dict(task), build(args, task, (0,)), shardings, lora_init)
+            adapters = partial(lora.init, input_axes=INPUT_AXES)
+            return plan.plan(args, dict(task), build(args, task, (0,)), shardings, adapters)
         fn = build(args, task.cfg, task.eos)
         if args.compare:
             return compare.compare(args, task, fn, run)

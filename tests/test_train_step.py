@@ -20,14 +20,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import qwen3
 import train
 from helpers import LLAMA, STOP, _prompts, _strip, arange_pos, write_tiny_checkpoint
-from lab import devices, harness, hf_checkpoint, plan, rollouts, tasks
+from lab import devices, harness, hf_checkpoint, lora, plan, rollouts, tasks
 
 # the project root, where train.py is (run as a script by the multi-process tests)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_one_device_and_four_devices_give_the_same_step(tiny, lora, monkeypatch):
+@pytest.mark.parametrize("use_lora", [False, True])
+def test_one_device_and_four_devices_give_the_same_step(tiny, use_lora, monkeypatch):
     """Two steps of SGD with momentum on 4 devices, FSDP (weights, gradients, momentum split; LoRA:
     the frozen base split, the adapters whole) and replicated: the loss, metrics and weights of 1
     device; the outputs placed as the inputs came (no recompile). Tolerances: reduction order alone
@@ -57,18 +57,18 @@ def test_one_device_and_four_devices_give_the_same_step(tiny, lora, monkeypatch)
             jnp.copy, jax.device_put(tiny.weights, train.shardings(tiny.weights, mesh))
         )
         # LoRA: they train, w is the frozen base
-        adapters = train.lora_init(w, 4, jax.random.PRNGKey(1))
-        params = jax.device_put(adapters, replicated) if lora else w
+        adapters = lora.init(w, 4, jax.random.PRNGKey(1), train.INPUT_AXES)
+        params = jax.device_put(adapters, replicated) if use_lora else w
         state = opt.init(params)
-        state = jax.device_put(state, replicated if lora else train.shardings(state, mesh))
-        step = train.make_train_step(tiny.cfg, opt, 8, mesh, True, 2.0, lora_scale=lora and 2.0)
+        state = jax.device_put(state, replicated if use_lora else train.shardings(state, mesh))
+        step = train.make_train_step(tiny.cfg, opt, 8, mesh, True, 2.0, lora_scale=use_lora and 2.0)
         placed, metrics = [x.sharding for x in jax.tree.leaves((params, state))], []
         for _ in range(2):  # the second step takes the first one's outputs as they are placed
             params, state, m = step(
                 params,
                 state,
                 jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data"))),
-                w if lora else None,
+                w if use_lora else None,
             )
             metrics.append(m)
         assert all(
@@ -77,13 +77,13 @@ def test_one_device_and_four_devices_give_the_same_step(tiny, lora, monkeypatch)
         )
         res[layout] = params, state, metrics
     gate, mu = (
-        (res["fsdp"][0] if not lora else w)["layers"]["gate"],
+        (res["fsdp"][0] if not use_lora else w)["layers"]["gate"],
         jax.tree.leaves(res["fsdp"][1]),
     )
     # [L, D, F]: F split over the 4 devices
     assert gate.sharding.shard_shape(gate.shape) == (2, 32, 16)
-    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(res["fsdp"][0]) if lora)
-    assert lora or {
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(res["fsdp"][0]) if use_lora)
+    assert use_lora or {
         x.sharding.shard_shape(x.shape)[-1] * 4 for x in mu if x.shape == gate.shape
     } == {64}
     for layout in ("replicated", "fsdp"):
@@ -127,7 +127,7 @@ def test_plan_prints_the_bytes_per_device_from_config_json_alone(
     )
     vectors = D + L * (2 * D + (2 * H if model_type == "qwen3" else 0))
     B, T0, M, k = 8, inspect.signature(plan.plan).parameters["T0"].default, 4, 8
-    for lora in (None, 2):
+    for rank in (None, 2):
         rows = train.main(
             [
                 "--plan",
@@ -144,12 +144,12 @@ def test_plan_prints_the_bytes_per_device_from_config_json_alone(
                 "--optimizer",
                 "adam",
             ]
-            + ["--lora", str(lora)] * bool(lora)
+            + ["--lora", str(rank)] * bool(rank)
         )
         assert f"--plan: 2-layer {name}" in capsys.readouterr().out
         assert rows["weights"] == 4 * (matrices // 4 + vectors)
         # Σ (in + out) x r
-        adapters = 4 * L * lora * (7 * D + 2 * N * H + 2 * K * H + 3 * F) if lora else 0
+        adapters = 4 * L * rank * (7 * D + 2 * N * H + 2 * K * H + 3 * F) if rank else 0
         assert (
             rows["adapters"] == adapters
         )  # whole on every device: lora_a [L, in, r], lora_b [L, r, out]
@@ -315,11 +315,11 @@ def test_lora_starts_at_the_base_and_its_gradient_is_the_chain_rule(tiny, b_scal
     dL/dlora_a = scale · dL/dW lora_bᵀ, dL/dlora_b = scale · lora_aᵀ dL/dW (at lora_b = 0, as
     lora_init starts, merge gives the base and lora_a's gradient is 0)."""
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    lora = train.lora_init(tiny.weights, 4, jax.random.PRNGKey(0))
-    keys = iter(jax.random.split(jax.random.PRNGKey(1), len(lora)))
-    for ab in lora.values():
+    adapters = lora.init(tiny.weights, 4, jax.random.PRNGKey(0), train.INPUT_AXES)
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), len(adapters)))
+    for ab in adapters.values():
         ab["lora_b"] = b_scale * jax.random.normal(next(keys), ab["lora_b"].shape)
-    merged = train.merge(lora, tiny.weights, 2.0)
+    merged = lora.merge(adapters, tiny.weights, 2.0)
     assert b_scale or all(
         np.array_equal(a, b)
         for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(tiny.weights), strict=True)
@@ -331,7 +331,7 @@ def test_lora_starts_at_the_base_and_its_gradient_is_the_chain_rule(tiny, b_scal
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 8))
     opt = optax.sgd(1.0)  # the update is minus the gradient
     new, _, _ = train.make_train_step(tiny.cfg, opt, 8, mesh, center=True, lora_scale=2.0)(
-        jax.tree.map(jnp.copy, lora), opt.init(lora), batch, tiny.weights
+        jax.tree.map(jnp.copy, adapters), opt.init(adapters), batch, tiny.weights
     )
     full, _, _ = train.make_train_step(tiny.cfg, opt, 8, mesh, center=True)(
         jax.tree.map(jnp.copy, merged), opt.init(merged), batch
@@ -341,7 +341,7 @@ def test_lora_starts_at_the_base_and_its_gradient_is_the_chain_rule(tiny, b_scal
         "lora_b",
     }
     for name, ab in new.items():
-        a, b = lora[name]["lora_a"], lora[name]["lora_b"]  # [L, in, r], [L, r, out]
+        a, b = adapters[name]["lora_a"], adapters[name]["lora_b"]  # [L, in, r], [L, r, out]
         gw = (merged["layers"][name] - full["layers"][name]).reshape(*a.shape[:2], -1)
         for got, was, expected in (
             (ab["lora_a"], a, 2.0 * jnp.einsum("lio,lro->lir", gw, b)),
@@ -491,7 +491,7 @@ def test_lora_alpha_flag_scales_the_merge_by_alpha_over_rank():
     args = harness.parse_args("--task sequence --lora 4 --lora-alpha 8".split())
     task = tasks.sequence_task(0, 8, 8)
     fn = train.build(args, task.cfg, task.eos)
-    params = train.lora_init(task.weights, 4, jax.random.PRNGKey(0))
+    params = lora.init(task.weights, 4, jax.random.PRNGKey(0), train.INPUT_AXES)
     for k, ab in params.items():  # B starts at 0: give it values, so that the merge shows
         ab["lora_b"] = jax.random.normal(jax.random.PRNGKey(len(k)), ab["lora_b"].shape)
     merged = fn.policy(params, task.weights)
@@ -515,7 +515,7 @@ def test_lora_train_step_and_sampler_merge_with_the_same_alpha_over_rank():
     args = harness.parse_args(flags.split())
     task = tasks.sequence_task(0, 8, 8)
     fn = train.build(args, task.cfg, task.eos)
-    params = train.lora_init(task.weights, 2, jax.random.PRNGKey(0))
+    params = lora.init(task.weights, 2, jax.random.PRNGKey(0), train.INPUT_AXES)
     for k, ab in params.items():  # B starts at 0: give it values, so that the merge shows
         ab["lora_b"] = 0.1 * jax.random.normal(jax.random.PRNGKey(len(k)), ab["lora_b"].shape)
     merged = fn.policy(params, task.weights)
