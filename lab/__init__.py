@@ -6,11 +6,13 @@ gguf           python -m lab.gguf FILE OUT: a GGUF file as a checkpoint folder
 tasks          the tasks and their rewards: GSM8K and arithmetic, the sequence and chain tasks
 problems       GSM8K's files; arithmetic a small model gets right some of the time (held out)
 rollouts       sampling many prompts in device-sized calls; the drift meter
+lora           LoRA adapters: their start, the merged weights, the trainer's unmerged matmul
 devices        the FSDP layout of the weights; several processes (jax.distributed)
 harness        flags and their checks, logs, resumable state, Ctrl-C
 compare        --compare: centring off and on from the same start, per seed and level
 sweep          --sweep's statistics: paired intervals, verdicts, the figures
 plan           --plan: the bytes each device holds, from config.json alone
 bench          python -m lab.bench: how fast train.py samples and trains, against the limits
+step           python -m lab.step: one GRPO step of train.py, part by part
 measure        python -m lab.measure: a real checkpoint's mismatch, drift term and accuracy
 """

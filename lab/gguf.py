@@ -198,6 +198,9 @@ def convert(file, out_dir):
     os.rename(partial, out_dir)
 
 
+CPU_RUN = "--lora 32 --optimizer adamw --steps 4 --prompts 2 --eval-every 4 --eval-n 64"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("file", help="a .gguf file of a dense Llama (SmolLM2, the Llama 3 shapes)")
@@ -207,7 +210,8 @@ def main(argv=None):
         convert(args.file, args.out_dir)
     except (ValueError, OSError) as e:  # OSError: out_dir's parent cannot be written
         sys.exit(f"error: {e}")
-    print(f"wrote {args.out_dir}: python train.py --model {args.out_dir}")
+    print(f"wrote {args.out_dir}; a few minutes of GRPO on a CPU (docs/real_model.md):")
+    print(f"python train.py --task arithmetic --model {args.out_dir} {CPU_RUN} --out runs/try")
 
 
 if __name__ == "__main__":

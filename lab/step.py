@@ -1,0 +1,81 @@
+"""One GRPO step of train.py, part by part (docs/speed.md): the sampler's P·G rollouts, the train
+step on them, the greedy evaluation of the held-out set, the drift meter. Each part is called twice
+and both times printed (the first compiles); the flags are train.py's.
+
+    python -m lab.step --task arithmetic --model smollm2 --lora 32 --optimizer adamw --eval-n 400
+"""
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lab import harness, rollouts, tasks
+
+
+def timed(name, call, times=2):  # call() `times` times: its last result; prints each time
+    seconds = []
+    for _ in range(times):
+        start = time.perf_counter()
+        out = jax.block_until_ready(call())
+        seconds.append(round(time.perf_counter() - start, 2))
+    print(json.dumps(dict(part=name, seconds=seconds, load=round(os.getloadavg()[0], 2))))
+    return out
+
+
+def main(argv, train):
+    """train: the module whose programs are timed (train.py, passed in, not imported)."""
+    args = harness.parse_args(argv)
+    task = tasks.load(args, train.shardings)
+    fn = train.build(args, task.cfg, task.eos)
+    data, rows = NamedSharding(fn.mesh, PartitionSpec("data")), args.prompts * args.group
+    key = jax.random.PRNGKey(args.seed)
+
+    # the policy as a run starts it, and the sampler's copy
+    params, base = task.weights, None
+    if args.lora:
+        params = train.lora.init(task.weights, args.lora, key, train.INPUT_AXES)
+        base = task.weights
+    opt_state, policy = fn.opt.init(params), fn.policy(params, base=base)
+    w_q = timed("sampler copy", lambda: train.sampler_weights(policy, args.sampler))
+
+    # the step's parts
+    problems = [task.train[i // args.group] for i in range(rows)]
+    prompts, golds = [p for p, _ in problems], [g for _, g in problems]
+    sampler = fn.samplers(args.sampler, args.kv_quant)
+    batch = timed(
+        "sample", lambda: rollouts.generate(sampler, w_q, prompts, task.pad, key, data, rows)
+    )
+    rewards = np.asarray(task.reward(batch["tokens"], batch["mask"], golds), np.float32)
+    batch["adv"] = train.advantage(rewards, args.group, args.baseline)
+    step = fn.steps[args.center]
+
+    def train_step():
+        copy = jax.tree.map(jnp.copy, params)  # the step donates its inputs
+        return step(copy, opt_state, jax.device_put(batch, data), base)
+
+    timed("train step", train_step)
+    test = [p for p, _ in task.test]
+    held_out = rows * -(-min(len(test), 512) // rows)  # as train.run's evaluation
+    timed(
+        "evaluation", lambda: rollouts.generate(fn.greedy, w_q, test, task.pad, key, data, held_out)
+    )
+    probe = timed(
+        "probe", lambda: rollouts.generate(fn.prober, w_q, task.probe, task.pad, key, data, rows), 1
+    )
+    drift = rollouts.drift_meter(fn.logp, probe, policy, args.micro_batch, data)
+    timed("drift meter", lambda: drift(policy))
+    lengths = batch["mask"].sum(-1)
+    print(json.dumps(dict(mean_length=float(lengths.mean()), reward=float(rewards.mean()))))
+
+
+if __name__ == "__main__":  # python -m lab.step, from the project's folder
+    import sys
+
+    import train  # the tutorial, whose programs are timed
+
+    main(sys.argv[1:], train)
