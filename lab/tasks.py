@@ -1,7 +1,8 @@
 """What train.py trains on: a model, prompts to train on and held-out ones, each with its gold
-answer, the drift meter's probe prompts, and a batch reward. Two tasks: GSM8K with a Qwen3
-checkpoint; on a CPU, on a tiny Qwen3, the sequence task (a reward per token) that shows what drift
-costs, and the chain task (GSM8K's shape: one binary reward after a long completion).
+answer, the drift meter's probe prompts, and a batch reward. With a checkpoint: GSM8K, and
+arithmetic of its kind (lab/problems.py); on a CPU, on a tiny Qwen3, the sequence task (a reward
+per token) that shows what drift costs, and the chain task (GSM8K's shape: one binary reward after a
+long completion).
 B rows, M completion tokens, V vocabulary, L layers."""
 
 import math
@@ -32,7 +33,7 @@ RECIPE = {  # per task, the defaults of the flags that depend on it
         workers=1,  # runs at once: each needs the accelerator's memory
         topk=128,  # the sampler's recorded head; the tail beyond it modelled as p
     ),
-    "arithmetic": dict(  # lab/arithmetic.py: sums a small model gets right a fifth of the time
+    "arithmetic": dict(  # lab/problems.py: SmolLM2-135M gets 12% of it, sampled
         steps=100,
         lr=1e-4,
         prompts=8,
@@ -97,11 +98,11 @@ def reward(completion, gold):  # 1 when the completion's last number is the gold
     return float(bool(numbers) and problems.normalise(numbers[-1]) == gold)
 
 
-def gsm8k_task(model, problems, eval_n, probe_n, place=None):
+def gsm8k_task(model, splits, eval_n, probe_n, place=None):
     """Problems (train, test) of GSM8K's kind, [(question, gold)] each, in the checkpoint's chat
     template; the first eval_n test problems are held out, the first probe_n are the probe.
     place(shapes): the weights' shardings, read straight from the checkpoint."""
-    train_set, test_set = problems
+    train_set, test_set = splits
     ckpt = hf_checkpoint.load(model, place=place)
     tok = ckpt.tokenizer
     if tok is None:
@@ -209,6 +210,10 @@ def chain_task(seed, eval_n, probe_n):
 
 
 TINY = dict(sequence=sequence_task, chain=chain_task)  # the tasks whose model comes from the seed
+
+
+# -------------------------------------------------------------------------------------------------
+# Loading: every check that config.json allows, before any download of data or weights
 
 
 def load(args, place=None):
