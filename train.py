@@ -20,6 +20,7 @@ a prompt, B = P·G rows, T positions, T0 prompt length, M completion length, V v
 top-k head size, D model width, L layers, K key/value heads, H head dimension.
 """
 
+import math
 from collections import namedtuple
 from functools import cache, partial
 
@@ -366,9 +367,8 @@ def run(args, task, fn, center, seed, out, prefix=""):
     probe = rollouts.generate(fn.prober, copy(params), task.probe, task.pad, probe_key, data, rows)
     drift = rollouts.drift_meter(fn.logp, probe, policy(params), args.micro_batch, data)
     test, golds = [p for p, _ in task.test], [gold for _, gold in task.test]
-    held_out = rows * -(
-        -min(len(test), 512) // rows
-    )  # rows a call: up to 512 in one, as few as fit
+    # rows a greedy call: the held-out set (up to 512 of it) in one, rounded up to a multiple of P·G
+    held_out = rows * math.ceil(min(len(test), 512) / rows)
 
     def evaluate(params):
         greedy = rollouts.generate(fn.greedy, copy(params), test, task.pad, key, data, held_out)

@@ -6,6 +6,7 @@ and both times printed (the first compiles); the flags are train.py's.
 """
 
 import json
+import math
 import os
 import time
 
@@ -60,7 +61,7 @@ def main(argv, train):
 
     timed("train step", train_step)
     test = [p for p, _ in task.test]
-    held_out = rows * -(-min(len(test), 512) // rows)  # as train.run's evaluation
+    held_out = rows * math.ceil(min(len(test), 512) / rows)  # as train.run's evaluation
     timed(
         "evaluation", lambda: rollouts.generate(fn.greedy, w_q, test, task.pad, key, data, held_out)
     )
