@@ -1,17 +1,17 @@
-"""Score centering: a drift-free policy-gradient loss for RL with a sampler whose numerics differ
-from the trainer's.
+"""Score centering: a drift-free policy-gradient loss for RL whose sampler's numerics differ.
 
 Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning", arXiv 2609.20807
 (2026). Shapes: B rows, T token positions, V vocabulary, k the sampler's top-k head size.
 """
 
 # The derivation, one step per number; its last step is the line `loss` ends on. Steps 1 to 8
-# are the method; 9 to 11 add importance weights and the sampler's top-k head.
+# are the method; 9 to 11 add importance weights and the sampler's top-k head. A case to check
+# by hand, V = 3 with a head of one token, is test_the_derivations_worked_case_by_hand's.
 # Notation: prefix h (the prompt and the tokens before t); trainer p(v) = p_θ(v | h);
 # sampler q(v) = q(v | h); score s_v = ∇_θ log p(v); A the rollout's advantage; y the sampled
 # token; z the trainer's logits, with ∇_z log p(v) = e_v − p.
 #
-# 1. The sampler q generates the rollouts, so REINFORCE estimates the policy gradient with one
+# 1. The sampler q generates the rollouts, so REjnp.infORCE estimates the policy gradient with one
 #    term per generated token: g = A · s_y, y ~ q.
 # 2. Zero-mean score lemma: Σ_v p(v) s_v = ∇_θ Σ_v p(v) = ∇_θ 1 = 0. On-policy (y ~ p), a part
 #    of A that does not depend on y (a baseline, a constant reward) adds no expected gradient.
@@ -33,14 +33,16 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 # 8. As a loss per trained token, with sg = stop-gradient (q is data, never differentiated):
 #    ℓ_t = −sg(A) · [log p(y_t) − Σ_v sg(q(v)) · log p(v)].
 #    The batch loss is the mean over trained tokens, each weighted the same at any sequence length.
-# 9. Importance weights. A weight f(r) of each token's detached ratio r = p/q multiplies its
-#    score (TIS caps it, MIS drops tokens whose ratio is far off). Under y ~ q a token v then
-#    enters with the mass m_v = q(v) f(r_v) instead of q(v), so centring subtracts Σ_v m_v s_v:
-#    ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_v sg(m_v) log p(v)].
-#    `loss` takes the weight as its mass m(q, p) = q f(p/q), in logs; f(r) = m(1, r). No IS:
-#    m = q. TIS: f(r) = min(r, C), m = min(p, C q). MIS (miles' `mis`, verl's IcePop): f(r) = r
-#    in a band [lo, hi], 0 outside, so m = p in it, 0 outside. Full IS (f(r) = r, m = p)
-#    subtracts Σ_v p s_v = 0: it is drift-free already (step 2), at the price of its variance.
+# 9. Importance weights and clipping. A detached weight f of each token's ratio r = p/q multiplies
+#    its score; under y ~ q a token v then enters with the mass m_v = q(v) f(r_v), not q(v), so
+#    centring subtracts Σ_v m_v s_v: ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_v sg(m_v) log p(v)].
+#    A `Correction` is f as a band: r inside, r clamped into it or 0 outside. TIS: f(r) = min(r, C),
+#    m = min(p, C q). MIS (IcePop): r in [lo, hi], else 0: m = p or 0 (on [0, ∞), full IS: m = p,
+#    no drift as Σ_v p s_v = 0, but noisy). CISPO: r clamped into [1 − ε_low, 1 + ε_high]. PPO,
+#    one step with q as the old policy (DAPO: ε_high > ε_low): 0 above 1 + ε_high where A > 0,
+#    below 1 − ε_low (or above a dual clip) where A < 0, a band taken at the token's own sign for
+#    every v: m_v = q(v) f(r_v, sign A). A row's weight w (GSPO: PPO's band on the geometric mean
+#    of its r; TOPR: 1 where A > 0, else its product of r capped at 1) makes A → w A; m stays q.
 # 10. Top-k. q over a 151k vocabulary at every token is too big to keep: the sampler records its
 #     head, its k most likely ids and their log q. Off the head, model q as the trainer's p
 #     scaled to the mass that q leaves there (FLOOR bounds both masses from below):
@@ -56,13 +58,7 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #     exactly, whatever α is. `loss` ends on (the minus before the sum makes it + entropy)
 #         ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_head c_v log p(v) + sg(α · entropy(p))],
 #     whose gradient in logit space is −A · [f(r_y) (e_y − p) − Σ_head c_v (e_v − p)].
-# A case to check by hand (test_score_centering.py pins it): V = 3, p = (0.5, 0.3, 0.2),
-#     q = (0.6, 0.3, 0.1), a head of k = 1: token 0. ρ = 0.4 / 0.5 = 0.8: q̂ = (0.6, 0.24, 0.16).
-#     No IS: m_0 = q_0 = 0.6, α = ρ = 0.8, c_0 = 0.6 − 0.8 · 0.5 = 0.2, and the centring term
-#     c_0 (e_0 − p) = (0.1, −0.06, −0.04) is q̂ − p. MIS in [0.5, 1.2]: r_0 = 5/6 is in, m_0 =
-#     p_0 = 0.5; the tail's 1/ρ = 1.25 is out, α = 0: c_0 = 0.5, the term (0.25, −0.15, −0.1).
-#     Exact centring, no IS (k = 3): q − p = (0.1, 0, −0.1).
-from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,17 +67,52 @@ import numpy as np
 FLOOR = 1e-6  # of the tail masses in the top-k model (step 10)
 
 
-def no_is(logq, logp):  # step 9's mass m(q, p) = q f(p/q) in logs, for f = 1: m = q
-    return logq
+class Correction(NamedTuple):
+    """Step 9's weight f(r) of the detached ratio r = p/q: r inside a band, clamped or 0 outside."""
+
+    name: str
+    positive: tuple  # the band (lo, hi) where A > 0
+    negative: tuple  # the band where A ≤ 0
+    clamp: bool = False  # outside the band: r clamped into it (True) or the token dropped (f = 0)
+    level: str = "token"  # or one weight per row: "sequence" (GSPO), "trajectory" (TOPR)
 
 
-def truncated_is(logq, logp, cap):  # TIS, f(r) = min(r, C): m = min(p, C q)
-    return jnp.minimum(logp, jnp.log(cap) + logq)
+NONE = Correction("none", (1.0, 1.0), (1.0, 1.0), clamp=True)  # f = 1: m = q (steps 7 and 8)
 
 
-def masked_is(logq, logp, lo, hi):  # MIS, f(r) = r in the band [lo, hi], else 0: m = p or 0
+def tis(cap):  # truncated IS: f(r) = min(r, C)
+    return Correction("tis", (0.0, cap), (0.0, cap), clamp=True)
+
+
+def mis(lo, hi):  # masked IS (IcePop): f(r) = r in [lo, hi], 0 outside
+    return Correction("mis", (lo, hi), (lo, hi))
+
+
+def ppo(eps_low, eps_high, dual_clip=jnp.inf):  # PPO, DAPO: the clipped surrogate's gradient, q old
+    return Correction("ppo", (0.0, 1 + eps_high), (1 - eps_low, dual_clip))
+
+
+def cispo(eps_low, eps_high):  # CISPO: r clamped into [1 − ε_low, 1 + ε_high], no token dropped
+    return Correction("cispo", (1 - eps_low, 1 + eps_high), (1 - eps_low, 1 + eps_high), True)
+
+
+def gspo(eps_low, eps_high):  # GSPO: PPO's band on the geometric mean of a row's ratios
+    return Correction("gspo", (0.0, 1 + eps_high), (1 - eps_low, jnp.inf), level="sequence")
+
+
+def topr():  # TOPR: rows with A > 0 weigh 1, with A ≤ 0 their product of ratios capped at 1
+    return Correction("topr", (1.0, 1.0), (0.0, 1.0), clamp=True, level="trajectory")
+
+
+def log_mass(c, logq, logp, positive):
+    """Step 9's mass m(q, p) = q f(p/q) in logs, f at the advantage's sign; f(r) = m(1, r)."""
+    lo = jnp.log(jnp.where(positive, c.positive[0], c.negative[0]))
+    hi = jnp.log(jnp.where(positive, c.positive[1], c.negative[1]))
+    if c.clamp:  # r clamped into [lo, hi]: p clamped into [lo q, hi q] (hi = inf: no top)
+        logm = jnp.maximum(logp, logq + lo)
+        return jnp.where(hi == jnp.inf, logm, jnp.minimum(logm, logq + hi))
     log_r = logp - logq  # NaN where p = q = 0: outside any band, so m = 0 = p there
-    return jnp.where((log_r >= jnp.log(lo)) & (log_r <= jnp.log(hi)), logp, -jnp.inf)
+    return jnp.where((log_r >= lo) & (log_r <= hi), logp, -jnp.inf)
 
 
 def loss(
@@ -94,17 +125,15 @@ def loss(
     head_ids=None,
     *,
     center=True,
-    tis_cap=None,
-    mis=None,
+    correction=None,
 ):
-    """Token-mean policy-gradient loss with optional score centering and truncated or masked IS.
+    """Token-mean policy-gradient loss with optional score centering and one importance weight.
 
     logits [B, T, V]: the trainer's logits at the positions that predicted `tokens` [B, T];
-    mask [B, T] (True = trained); advantages [B] or [B, T] (detached);
-    sampler_logprobs [B, T] = log q(tokens);
+    mask [B, T] (True = trained); advantages [B] or [B, T] (detached); sampler_logprobs [B, T];
     head_logprobs, head_ids [B, T, k]: the sampler's top-k log q (normalised over the full
     vocabulary) and ids, as jax.lax.top_k returns them; or the full log q [B, T, V] alone (exact);
-    tis_cap C: weight min(p/q, C); mis (lo, hi): weight p/q inside the band, 0 outside (not both).
+    correction: a Correction (tis, mis, ppo, cispo, gspo, topr) or None, no weight (step 9).
     Returns (loss, metrics). Ids outside [0, V) raise ValueError on concrete inputs, NaN under jit.
     """
     # inputs
@@ -113,7 +142,7 @@ def loss(
     head_ids = None if head_ids is None else jnp.asarray(head_ids)  # optional
     head_logprobs = None if head_logprobs is None else jnp.asarray(head_logprobs)
     _check_arrays(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs)
-    _check_options(center, tis_cap, mis, head_logprobs)
+    _check_options(center, correction, head_logprobs)
     sg = jax.lax.stop_gradient
     mask = mask.astype(bool)
     n_tokens = jnp.maximum(mask.sum(), 1).astype(jnp.float32)  # trained tokens
@@ -141,16 +170,17 @@ def loss(
         entropy=token_mean(entropy),
     )
 
-    # the importance weight, as its mass m(q, p) = q f(p/q) in logs (step 9)
-    log_m, weighted = no_is, None
-    if tis_cap is not None:
-        log_m, weighted = partial(truncated_is, cap=tis_cap), "tis_capped"
-    if mis is not None:
-        log_m, weighted = partial(masked_is, lo=mis[0], hi=mis[1]), "mis_masked"
-    log_f_y = log_m(0.0, log_ratio)  # log f(r_y), as f(r) = m(1, r)
-    if weighted:  # the share of tokens weighted below their r (TIS: capped; MIS: masked)
-        metrics[weighted] = token_mean(log_f_y < log_ratio)
-    f_y = jnp.exp(log_f_y)  # sg(f(r_y)): a weight 0 weighs 0, even at p(y) = 0 (a -inf logit)
+    # the correction (step 9): a token's weight multiplies its score, a row's its advantage
+    c, log_r = correction or NONE, log_ratio
+    if c.level != "token":  # the mean (GSPO) or sum (TOPR) of the row's log r, at each token
+        n = mask.sum(-1, keepdims=True) if c.level == "sequence" else 1
+        log_r = jnp.where(mask, log_ratio, 0.0).sum(-1, keepdims=True) / jnp.maximum(n, 1)
+    log_f = log_mass(c, 0.0, log_r, A > 0)  # [B, T] log f(r), as f(r) = m(1, r)
+    if correction is not None:  # the share of tokens weighted other than by their (row's) r
+        metrics["clipped"] = token_mean(log_f != log_r)
+    if c.level != "token":  # a row's weight scales its advantage; its tokens enter with m = q
+        A, c, log_f = A * jnp.exp(log_f), NONE, jnp.zeros_like(log_ratio)
+    f_y = jnp.exp(log_f)  # sg(f(r_y)): a weight 0 weighs 0, even at p(y) = 0 (a -inf logit)
     score = jnp.where(f_y == 0, 0.0, f_y * logp_y)  # sg(f(r_y)) log p(y)
     if head_logprobs is None:  # no sampler distribution: nothing to centre
         return -token_mean(A * score), metrics
@@ -163,12 +193,11 @@ def loss(
     rho = jnp.maximum(1 - q_mass, FLOOR) / jnp.maximum(1 - p_mass, FLOOR)  # tail: q̂ = ρ p
 
     # head coefficients c = m − α p (steps 10 and 11)
-    m_head = jnp.exp(log_m(logq_head, sg_logp_head))  # [B, T, k] m = m(q, p)
-    alpha = jnp.exp(log_m(jnp.log(rho), 0.0))  # [B, T] the tail's α = m(ρ, 1)
+    m_head = jnp.exp(log_mass(c, logq_head, sg_logp_head, (A > 0)[..., None]))  # [B, T, k]
+    alpha = jnp.exp(log_mass(c, jnp.log(rho), 0.0, A > 0))  # [B, T] the tail's α = m(ρ, 1)
     c_head = m_head - alpha[..., None] * jnp.exp(sg_logp_head)  # [B, T, k]
-    metrics["head_mass_q"] = token_mean(q_mass)
-    metrics["head_mass_p"] = token_mean(p_mass)
-    metrics["correction"] = token_mean(jnp.abs(c_head).sum(-1))
+    metrics["head_mass_q"], metrics["head_mass_p"] = token_mean(q_mass), token_mean(p_mass)
+    metrics["centring_size"] = token_mean(jnp.abs(c_head).sum(-1))
 
     # centred score: step 11's bracket; c log p = 0 where c = 0, even at p = 0 (a -inf logit)
     if center:
@@ -233,19 +262,19 @@ def _check_ids(name, ids, shape):
         raise ValueError(f"{name} holds ids in [{lo}, {hi}], outside [0, V) for logits {shape}")
 
 
-def _check_options(center, tis_cap, mis, head_logprobs):
+def _check_options(center, c, head_logprobs):
     """Raise ValueError on options that contradict each other or the inputs."""
     if center and head_logprobs is None:
         raise ValueError(
             "center=True needs the sampler's distribution: pass head_logprobs and head_ids "
             "(top-k) or head_logprobs alone (full [B, T, V] log-softmax, exact centring)"
         )
-    if tis_cap is not None and not tis_cap > 0:
-        raise ValueError(f"tis_cap must be a positive C (f(r) = min(r, C)), got {tis_cap}; or None")
-    if tis_cap is not None and mis is not None:
-        raise ValueError(f"tis_cap={tis_cap} and mis={mis}: truncated or masked IS, pass one")
-    is_band = isinstance(mis, (tuple, list)) and len(mis) == 2 and 0 <= mis[0] < mis[1]
-    if mis is not None and not is_band:
+    bands = (c.positive, c.negative) if isinstance(c, Correction) else [()]
+    ok = all(
+        len(b) == 2 and 0 <= b[0] <= b[1] and 0 < b[1] and (c.clamp or b[0] < b[1]) for b in bands
+    )
+    if c is not None and not (ok and c.level in ("token", "sequence", "trajectory")):
         raise ValueError(
-            f"mis must be a band (lo, hi) of p/q, 0 ≤ lo < hi ≤ inf, got {mis}; or None"
+            f"correction must be made by tis, mis, ppo, cispo, gspo or topr, with bands 0 ≤ lo ≤ "
+            f"hi ≤ inf, 0 < hi (lo < hi where it drops), got {c}"
         )
