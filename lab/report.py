@@ -1,0 +1,107 @@
+"""python -m lab.report DIR [--plot FILE]: a --compare's numbers recomputed from the files its runs
+wrote (DIR/ARM_seedN/metrics.jsonl), finished or not: each seed's row, the means over the seeds
+with 95% t-intervals, lab.compare's verdict, whether the mismatch grew, and the curves. The docs
+quote the SmolLM2 runs from these files, committed without their saved states."""
+
+import argparse
+import glob
+import json
+import os
+
+import numpy as np
+
+from lab import compare, harness, sweep, tasks
+
+ARMS = ("uncentered", "centered")
+
+
+def read(folder):  # {seed: {arm: [the run's rows]}} for the seeds whose both arms have a row
+    runs = {}
+    for file in sorted(glob.glob(os.path.join(folder, "*_seed*", "metrics.jsonl"))):
+        arm, seed = os.path.basename(os.path.dirname(file)).rsplit("_seed", 1)
+        runs.setdefault(int(seed), {})[arm] = [json.loads(line) for line in open(file)]
+    return {seed: arms for seed, arms in sorted(runs.items()) if set(arms) == set(ARMS)}
+
+
+def numbers(rows, last=None):  # a run's summary as lab.harness writes it, up to step `last`
+    rows = [r for r in rows if last is None or r["step"] <= last]
+    acc = {r["step"]: r["acc"] for r in rows if "acc" in r}
+    final = max(acc)
+    kl = [r["kl_q_p"] for r in rows if "loss" in r]
+    return dict(
+        eval_acc=acc,
+        drift={r["step"]: r["drift"] for r in rows if "drift" in r},
+        peak_acc=max(acc.values()),
+        final_acc=acc[final],
+        drop=max(acc.values()) - acc[final],
+        final_drift=[r["drift"] for r in rows if r["step"] == final][0],
+        mean_kl_q_p=float(np.mean(kl)),
+        kl_first=float(np.mean(kl[:10])),  # the mismatch over the first and the last 10 updates
+        kl_last=float(np.mean(kl[-10:])),
+        step=final,
+    )
+
+
+def report(folder, plot=None):  # prints the tables and the verdict; returns them as a dict
+    runs = read(folder)
+    if not runs:
+        raise SystemExit(
+            f"{folder} holds no --compare run with both arms (ARM_seedN/metrics.jsonl)"
+        )
+    # the seeds compared at the last evaluation both arms of every seed have reached
+    last = min(
+        max(r["step"] for r in rows if "acc" in r) for a in runs.values() for rows in a.values()
+    )
+    res = {s: {arm: numbers(a[arm], last) for arm in ARMS} for s, a in runs.items()}
+
+    columns = dict(peak_acc="{:.3f}", final_acc="{:.3f}", drop="{:.3f}", final_drift="{:.2e}")
+    columns |= dict(mean_kl_q_p="{:+.2e}", kl_first="{:+.2e}", kl_last="{:+.2e}")
+    rows = {f"{arm}_seed{s}": r[arm] for s, r in res.items() for arm in ARMS}
+    print(f"{folder}: {len(res)} seeds, step {last}")
+    harness.table("run", rows, columns)
+
+    # means over the seeds, and the paired difference centred − uncentred, with 95% t-intervals
+    intervals = {}
+    for k in ("peak_acc", "final_acc", "drop", "final_drift", "mean_kl_q_p"):
+        u, c = ([r[arm][k] for r in res.values()] for arm in ARMS)
+        intervals[k] = [sweep.interval(x) for x in (u, c, np.subtract(c, u))]
+    print(f"{'mean [95%]':22s} {'uncentred':>24s} {'centred':>24s} {'centred - uncentred':>24s}")
+    for k, spans in intervals.items():
+        f = "{:.2e}" if "kl" in k or "drift" in k else "{:.3f}"
+        print(f"{k:22s} " + " ".join(f"{sweep.span(*s, f):>24s}" for s in spans))
+
+    config = json.load(open(os.path.join(folder, "run.json")))
+    score = "held-out score" if config["task"] in tasks.TINY else "accuracy"  # as compare says it
+    verdict = compare.verdict(list(res.values()), score)
+    grows = {arm: [r[arm]["kl_last"] > r[arm]["kl_first"] for r in res.values()] for arm in ARMS}
+    growth = "; ".join(
+        f"{arm}: kl_q_p grew in {sum(g)} of {len(g)} seeds" for arm, g in grows.items()
+    )
+    print(verdict, growth, sep="\n")
+    if plot:
+        title = f"{os.path.basename(config['model'])}, --task {config['task']}, --sampler "
+        title += config["sampler"] + (f" + kv {config['kv_quant']}" if config["kv_quant"] else "")
+        curves(plot, runs, last, title)
+    return dict(step=last, runs=res, intervals=intervals, verdict=verdict, growth=growth)
+
+
+def curves(file, runs, last, title):  # accuracy, drift, kl_q_p by step: off red, on blue, by seed
+    dashes = ("-", "--", "-.", ":")
+    panels = [("greedy accuracy", "acc"), ("drift  KL(p_0 || p_t)", "drift"), ("kl_q_p", "kl_q_p")]
+    out = []
+    for ylabel, key in panels:
+        lines = {}
+        for i, (seed, arms) in enumerate(runs.items()):
+            for arm, colour in zip(ARMS, "rb", strict=True):
+                xy = [(r["step"], r[key]) for r in arms[arm] if key in r and r["step"] <= last]
+                lines[f"{arm}_seed{seed}"] = (*zip(*xy, strict=True), colour + dashes[i % 4])
+        out.append((title, ylabel, lines))
+    compare.plot(file, out)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("folder", help="the --out of a --compare")
+    p.add_argument("--plot", help="draw the curves into this PNG (needs matplotlib)")
+    args = p.parse_args()
+    report(args.folder, args.plot)

@@ -1,0 +1,48 @@
+"""lab.report: a --compare's numbers recomputed from its runs' metrics.jsonl equal what each run
+wrote in its summary.json (kept in memory as it ran: another path); its intervals are Student's."""
+
+import importlib.util
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+import train
+from lab import report
+
+
+def test_a_compare_recomputes_from_its_files(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    flags = "--task sequence --compare --seeds 0,1 --steps 6 --eval-every 2 --lr 0.4 --eval-n 64"
+    summary = train.main([*flags.split(), "--probe-n", "8", "--out", str(out)])
+    capsys.readouterr()
+    plot = tmp_path / "curves.png" if importlib.util.find_spec("matplotlib") else None
+    found = report.report(str(out), plot and str(plot))
+    text = capsys.readouterr().out
+    assert found["step"] == 6 and sorted(found["runs"]) == [0, 1]
+    for seed, arms in found["runs"].items():
+        for arm, mine in arms.items():
+            wrote = summary[f"{arm}_seed{seed}"]
+            for k in ("peak_acc", "final_acc", "drop", "final_drift", "mean_kl_q_p"):
+                assert mine[k] == pytest.approx(wrote[k], rel=1e-6, abs=1e-9), (seed, arm, k)
+            assert {str(s): a for s, a in mine["eval_acc"].items()} == wrote["eval_acc"]
+            assert len(set(wrote["eval_acc"].values())) > 1  # scores that moved: peak, final, drop
+    # two seeds: mean ± t(0.975, 1 degree of freedom) = 12.706 times the standard error
+    u = [found["runs"][s]["uncentered"]["final_drift"] for s in (0, 1)]
+    c = [found["runs"][s]["centered"]["final_drift"] for s in (0, 1)]
+    d = np.subtract(c, u)
+    assert min(u + c) > 0 and abs(d).min() > 0  # the arms walked, and not as far
+    half = 12.7062 * np.std(d, ddof=1) / math.sqrt(2)
+    mean, lo, hi = found["intervals"]["final_drift"][2]
+    assert (mean, lo, hi) == pytest.approx((d.mean(), d.mean() - half, d.mean() + half), rel=1e-4)
+    assert found["verdict"] == summary["verdict"] and summary["verdict"] in text
+    assert not plot or os.path.getsize(plot) > 1000
+
+
+def test_a_folder_without_a_compare_is_refused_in_one_line(tmp_path):
+    (tmp_path / "centered_seed0").mkdir()
+    (tmp_path / "centered_seed0" / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    with pytest.raises(SystemExit, match="no --compare run with both arms"):
+        report.report(str(tmp_path))
