@@ -33,6 +33,7 @@ def bandit(center, staleness, steps=200, lr=0.5, noise=0.5, baseline="none", see
     success = jax.random.uniform(k_success, (V,), minval=0.45, maxval=0.55)  # small signal
     bias = noise * jax.random.normal(k_bias, (V,))  # drawn once: persistent
     mask = jnp.ones((B, 1), bool)  # [B, T] with T = 1: a rollout is one token, the arm pulled
+    tis = None if tis_cap is None else sc.tis(tis_cap)  # a token's weight min(p/q, C), or none
 
     @jax.jit
     def step(theta, sampler_logits, key):
@@ -48,7 +49,7 @@ def bandit(center, staleness, steps=200, lr=0.5, noise=0.5, baseline="none", see
         # score-centred loss
         def loss(theta):
             logits = jnp.broadcast_to(theta, (B, 1, V))  # [B, T, V]: one policy for all rows
-            return sc.loss(logits, y, mask, adv, logq[y], *head, center=center, tis_cap=tis_cap)[0]
+            return sc.loss(logits, y, mask, adv, logq[y], *head, center=center, correction=tis)[0]
 
         return theta - lr * jax.grad(loss)(theta)  # plain SGD
 
@@ -87,14 +88,12 @@ def main(argv=None):
         if kind not in Figure().canvas.get_supported_filetypes() or not os.path.isdir(folder):
             p.error(f"--plot {args.plot}: name a .png, .pdf or .svg file in a writable folder")
 
-    # run the four
+    # run the four, then print their table
     options = {k: v for k, v in vars(args).items() if k != "plot"}  # bandit's keywords
     runs = {}
     for sampler, staleness in (("online", 0), ("frozen", args.steps)):
         for center in (False, True):
             runs[f"{sampler} {'on' if center else 'off'}"] = bandit(center, staleness, **options)
-
-    # print the table
     print(
         f"{V} arms, sampler logit offset std {args.noise}, baseline {args.baseline}, {args.steps} "
         f"steps, lr {args.lr}, seed {args.seed}; gap TV(q, p) {runs['online off']['gap']:.3f}"

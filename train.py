@@ -182,12 +182,12 @@ def advantage(rewards, group, baseline):  # [..., B] -> [..., B]: minus its grou
     return rewards - means.repeat(group, -1)
 
 
-def make_train_step(cfg, opt, micro_batch, mesh, center, tis_cap=None, mis=None, lora_scale=None):
+def make_train_step(cfg, opt, micro_batch, mesh, center, correction=None, lora_scale=None):
     """fn(params, opt_state, batch, base=None) -> (params, opt_state, metrics); params: weights, or
     LoRA adapters on the frozen `base`; batch: the sampler's record, prompt, pos [B, T0], adv [B].
     Gradients accumulate over micro-batches split over the devices, the loss a token mean over the
     batch; weights and optimizer state split as `shardings` says (LoRA adapters: whole)."""
-    options = dict(center=center, tis_cap=tis_cap, mis=mis)  # all that --center changes: a keyword
+    options = dict(center=center, correction=correction)  # all that --center changes: a keyword
 
     def token_sum_loss(params, base, b):
         w = params if base is None else lora.attach(params, base)  # LoRA: W and its adapters
@@ -320,7 +320,7 @@ def build(args, cfg, eos):
     mesh = Mesh(np.array(jax.devices()), ("data",))
     opt = getattr(optax, args.optimizer)(args.lr)  # sgd, adam or adamw (optax's decay: 1e-4)
     lora_scale = args.lora and args.lora_alpha / args.lora
-    loss_flags = dict(tis_cap=args.tis_cap, mis=args.mis, lora_scale=lora_scale)
+    loss_flags = dict(correction=harness.correction(args.correction), lora_scale=lora_scale)
 
     @cache
     def samplers(kind, kv=None):  # W8A8 kind, the KV cache's kind

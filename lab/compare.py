@@ -104,7 +104,8 @@ def report(args, cfg, res):  # --compare: table, verdict, figure; res {run: summ
     print(
         f"\n{cfg['num_hidden_layers']}-layer Qwen3, --sampler {args.sampler}, "
         f"--kv-quant {args.kv_quant}, --weight-noise {args.weight_noise}, "
-        f"--staleness {args.staleness}, {args.steps} steps, lr {args.lr}"
+        f"--staleness {args.staleness}, --correction {args.correction}, "
+        f"{args.steps} steps, lr {args.lr}"
     )
     runs = list(res.values())  # uncentred, centred, seed by seed
     by_seed = [dict(uncentered=u, centered=c) for u, c in zip(runs[::2], runs[1::2], strict=True)]

@@ -14,6 +14,7 @@ import time
 import jax
 import numpy as np
 
+import score_centering as sc
 from lab import devices, hf_checkpoint, tasks
 
 # -------------------------------------------------------------------------------------------------
@@ -26,13 +27,19 @@ QWEN3_06B = "Qwen/Qwen3-0.6B"
 OPTIMIZERS = ["sgd", "adam", "adamw"]  # optax's, at a constant learning rate
 W8 = ["int8", "fp8"]  # the 8-bit kinds of numerics a sampler (or its KV cache) may use
 KV = [*W8, "int4"]  # the kinds a quantised KV cache may hold
+CORRECTIONS = dict(tis=sc.tis, mis=sc.mis, ppo=sc.ppo, cispo=sc.cispo, gspo=sc.gspo, topr=sc.topr)
+FORMS = "tis:C, mis:LO,HI, ppo:EPS_LOW,EPS_HIGH[,DUAL_CLIP], cispo or gspo:EPS_LOW,EPS_HIGH, topr"
+DPPO = (  # DPPO (Qi et al. 2026), refused by name: centring cannot compose with it here
+    "DPPO's mask reads the sampled token's shift |p - q| (a total-variation estimate), not p/q: "
+    "no weight f(p/q), so a top-k tail has no single mass to centre (score_centering.py step 10)"
+)
 
 
 def flag(key):  # "max_tokens" -> "--max-tokens"
     return "--" + key.replace("_", "-")
 
 
-def csv(kind):  # "0.5,5" -> (0.5, 5.0)
+def csv(kind):  # "0,1" -> (0, 1) with kind int
     return lambda s: tuple(map(kind, s.split(",")))
 
 
@@ -43,6 +50,18 @@ def levels(text):  # "0.01,int8+kv_int4" -> [("bf16", 0.01, None), ("int8", 0.0,
         sampler, noise = (weights, 0.0) if weights in W8 else ("bf16", float(weights))
         found.append((sampler, noise, kv or None))
     return found
+
+
+def correction(text):  # "ppo:0.2,0.28" -> sc.ppo(0.2, 0.28), checked by the loss; None: no weight
+    if text is None:
+        return None
+    name, _, numbers = text.partition(":")
+    if name not in CORRECTIONS:
+        raise ValueError(DPPO if name == "dppo" else f"unknown: use {FORMS}")
+    c = CORRECTIONS[name](*map(float, numbers.split(",") if numbers else []))  # or TypeError
+    one = np.zeros((1, 1))  # one token: the loss checks the correction's bands, at trace time
+    sc.loss(one[..., None], one.astype(int), one == 0, one[0], one, center=False, correction=c)
+    return c
 
 
 def declare(p, defaults=True):  # defaults=False: none, to see which flags were typed
@@ -85,8 +104,7 @@ def declare(p, defaults=True):  # defaults=False: none, to see which flags were 
     a("--baseline", "reward - group mean, or raw", choices=["group", "none"], default="group")
     a("--micro-batch", "rows a forward/backward pass (default: <= 8,192 tokens)", type=int)
     a("--topk", "sampler head recorded per token; 0: all V (exact)", type=int)
-    a("--tis-cap", "truncated importance sampling, weight min(p/q, C) (default: off)", type=float)
-    a("--mis", "masked IS: weight p/q inside LO,HI, else 0 (default: off)", type=csv(float))
+    a("--correction", f"importance weight: {FORMS} (default: off)", metavar="NAME:ARGS")
     a("--lora", "train LoRA adapters of this rank on every projection (default: off)", type=int)
     a("--lora-alpha", "LoRA scale alpha / rank (default: alpha = rank)", type=float)
 
@@ -120,20 +138,14 @@ def not_positive(key):  # a check: the flag was given, and is not a finite numbe
 INTEGERS = "steps prompts group max_tokens eval_every eval_n probe_n micro_batch save_every lora"
 CHECKS = [  # (a test of the flags a: what is wrong, if anything; what to say, formatted with a)
     *[(below(k, 1), f"{flag(k)} must be >= 1") for k in (*INTEGERS.split(), "workers")],
-    *[
-        (not_positive(k), f"{flag(k)} must be a finite number > 0")
-        for k in ("lr", "tis_cap", "lora_alpha")
-    ],
+    *[(not_positive(k), f"{flag(k)} must be a finite number > 0") for k in ("lr", "lora_alpha")],
     (lambda a: not 0 <= a.weight_noise < math.inf, "--weight-noise must be a finite number >= 0"),
     (
         lambda a: min(a.topk, a.staleness, a.seed, *a.seeds or []) < 0,
         "--topk, --staleness, --seed and --seeds must be >= 0",
     ),
     (lambda a: a.seeds and len(set(a.seeds)) < len(a.seeds), "--seeds {a.seeds} repeats a seed"),
-    (
-        lambda a: a.mis and (len(a.mis) != 2 or not 0 <= a.mis[0] < a.mis[1]),
-        "--mis LO,HI needs 0 <= LO < HI, got {a.mis}",
-    ),
+    (lambda a: refusal(correction, a.correction), "--correction {a.correction}: {found}"),
     (
         lambda a: a.B > 0 and a.B % a.devices,  # no micro-batch fits, the default neither
         "--prompts x --group = {a.B} rollouts must be a multiple of the {a.devices} devices",
@@ -159,7 +171,6 @@ CHECKS = [  # (a test of the flags a: what is wrong, if anything; what to say, f
         "and --kv-quant",
     ),
     (lambda a: a.compare and a.center, "--compare runs centring off and on: drop --center"),
-    (lambda a: a.mis and a.tis_cap is not None, "--mis and --tis-cap: pick one importance weight"),
     (lambda a: a.baseline == "group" and a.group < 2, "--baseline group needs --group >= 2"),
     (lambda a: "lora_alpha" in a.given and not a.lora, "--lora-alpha needs --lora"),
     (
@@ -223,15 +234,15 @@ CHECKS = [  # (a test of the flags a: what is wrong, if anything; what to say, f
         lambda a: a.save and os.path.realpath(a.save) == os.path.realpath(a.model),
         "--save would overwrite the --model checkpoint: pick another folder",
     ),
-    (lambda a: a.save and save_dir_problem(a.save), "--save {found}"),
+    (lambda a: a.save and refusal(hf_checkpoint.check_save_dir, a.save), "--save {found}"),
 ]
 
 
-def save_dir_problem(path):  # why save() would refuse the folder, or ""
+def refusal(check, x):  # why check(x) refuses x (its ValueError or TypeError), or ""
     try:
-        hf_checkpoint.check_save_dir(path)
+        check(x)
         return ""
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         return str(e)
 
 

@@ -2,6 +2,7 @@
 nothing of the project but score_centering."""
 
 import ast
+import math
 import os
 import sys
 
@@ -23,6 +24,16 @@ def test_bandit_online_drift_and_frozen_sampler():
     )
     assert off["drift"] >= 3 * frozen["drift"]  # online: far past the gap
     assert frozen["curve"][-1] - frozen["curve"][99] < 0.2 * frozen["gap"]  # frozen: it has stopped
+
+
+def test_untruncated_importance_sampling_removes_drift_so_centring_changes_nothing():
+    """--tis-cap inf weighs each token by p/q: its mass q p/q = p has expected score 0
+    (score_centering.py step 9), so the online sampler's drift is gone without centring, and
+    centring, which subtracts that mass's expected score, changes nothing."""
+    plain = bandit.bandit(False, 0)
+    off, on = (bandit.bandit(center, 0, tis_cap=math.inf) for center in (False, True))
+    assert off["drift"] <= plain["drift"] / 5, (off["drift"], plain["drift"])
+    assert off["curve"] == pytest.approx(on["curve"], abs=1e-6)
 
 
 def test_group_baseline_subtracts_each_groups_own_mean(monkeypatch):

@@ -4,12 +4,14 @@ network down."""
 
 import importlib.util
 import json
+import math
 import os
 import urllib.error
 
 import jax
 import pytest
 
+import score_centering as sc
 import train
 from helpers import tiny_argv, write_gsm8k, write_tiny_checkpoint
 from lab import harness, hf_checkpoint, problems, tasks
@@ -70,17 +72,40 @@ def test_micro_batch_default_fits_small_batches_and_help_shows_defaults(capsys):
         assert needle in text, needle
 
 
+def test_correction_is_kept_as_typed_and_makes_that_constructors_correction():
+    """--correction NAME:ARGS stays the text typed (run.json and --resume compare it so), and
+    harness.correction calls score_centering's constructor of that name with the numbers."""
+    for text, made in (
+        ("tis:2", sc.tis(2.0)),
+        ("tis:inf", sc.tis(math.inf)),  # untruncated IS
+        ("mis:0.5,5", sc.mis(0.5, 5.0)),
+        ("ppo:0.2,0.28", sc.ppo(0.2, 0.28)),  # DAPO
+        ("ppo:0.2,0.28,3", sc.ppo(0.2, 0.28, 3.0)),  # a dual clip
+        ("cispo:0.2,0.28", sc.cispo(0.2, 0.28)),
+        ("gspo:3e-4,4e-4", sc.gspo(3e-4, 4e-4)),
+        ("topr", sc.topr()),
+    ):
+        assert harness.parse_args(["--correction", text]).correction == text
+        assert harness.correction(text) == made, text
+    assert harness.parse_args([]).correction is None and harness.correction(None) is None
+
+
 @pytest.mark.parametrize(
     "argv, match",
     [
         (["--topk", "-1"], "--topk"),
-        (["--tis-cap", "0"], "--tis-cap"),
         (["--lr", "nan"], "--lr"),
         (["--weight-noise", "inf"], "--weight-noise"),
-        (["--tis-cap", "nan"], "--tis-cap"),
-        (["--mis", "5,0.5"], "--mis"),
-        (["--mis", "0.5"], "--mis"),
-        (["--mis", "0.5,5", "--tis-cap", "2"], "--mis and --tis-cap"),
+        (["--correction", "dppo:0.2"], "--correction dppo:0.2: DPPO's mask reads"),
+        (["--correction", "nope:1"], "--correction nope:1: unknown: use tis:C, mis:LO,HI, ppo:"),
+        (["--correction", "tis"], "--correction tis: tis() missing"),
+        (["--correction", "tis:0"], "--correction tis:0: correction must be"),
+        (["--correction", "tis:nan"], "--correction tis:nan: correction must be"),
+        (["--correction", "mis:5,0.5"], "--correction mis:5,0.5: correction must be"),
+        (["--correction", "ppo:0.2"], "--correction ppo:0.2: ppo() missing"),
+        (["--correction", "ppo:a,b"], "--correction ppo:a,b: could not convert"),
+        (["--correction", "cispo:0.2,-2"], "--correction cispo:0.2,-2: correction must be"),
+        (["--correction", "topr:1"], "--correction topr:1: topr() takes 0"),
         (["--group", "1"], "--group"),
         (["--micro-batch", "7"], "--micro-batch"),
         (["--task", "sequence", "--data-dir", "x"], "--data-dir is not used by --task sequence"),

@@ -26,11 +26,12 @@ from lab import compare, harness, hf_checkpoint, tasks
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def spy_center(monkeypatch):  # the `center` of every traced sc.loss call
+def spy_loss(monkeypatch, key="center"):  # kw[key] of every sc.loss call a train step traces
     seen, real = [], sc.loss
 
     def spy(*a, **kw):
-        seen.append(kw["center"])
+        if isinstance(a[0], jax.core.Tracer):  # not --correction's check of its text, on one token
+            seen.append(kw[key])
         return real(*a, **kw)
 
     monkeypatch.setattr(train.sc, "loss", spy)
@@ -40,7 +41,7 @@ def spy_center(monkeypatch):  # the `center` of every traced sc.loss call
 def test_train_end_to_end_writes_metrics_summary_and_a_checkpoint(
     tmp_path, gsm, capsys, monkeypatch
 ):
-    seen = spy_center(monkeypatch)
+    seen = spy_loss(monkeypatch)
     summary = train.main(
         tiny_argv(
             gsm,
@@ -51,8 +52,8 @@ def test_train_end_to_end_writes_metrics_summary_and_a_checkpoint(
             "int8",
             "--weight-noise",
             "0.05",
-            "--mis",
-            "0.5,5",
+            "--correction",
+            "mis:0.5,5",
             "--out",
             str(tmp_path / "run"),
             "--save",
@@ -62,7 +63,7 @@ def test_train_end_to_end_writes_metrics_summary_and_a_checkpoint(
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[:2]:
-        keys = ("loss", "grad_norm", "kl_q_p", "logprob_gap", "entropy", "mis_masked")
+        keys = ("loss", "grad_norm", "kl_q_p", "logprob_gap", "entropy", "clipped")
         assert all(np.isfinite(r[k]) for k in keys)
     assert rows[0]["drift"] == 0.0 and all("drift" in r and "acc" in r for r in rows)
     assert seen and set(seen) == {True}  # --center reached the loss
@@ -85,7 +86,7 @@ def test_train_end_to_end_writes_metrics_summary_and_a_checkpoint(
 
 
 def test_gsm8k_compare_runs_both_arms_from_the_same_start(tmp_path, gsm, capsys, monkeypatch):
-    seen = spy_center(monkeypatch)
+    seen = spy_loss(monkeypatch)
     plot = (
         ["--plot", str(tmp_path / "figs" / "cmp.png")]
         if importlib.util.find_spec("matplotlib")
@@ -124,13 +125,35 @@ def test_gsm8k_compare_runs_both_arms_from_the_same_start(tmp_path, gsm, capsys,
     assert not plot or os.path.getsize(tmp_path / "figs" / "cmp.png") > 1000
 
 
+def test_a_correction_reaches_both_arms_of_a_compare_and_of_a_sweep(tmp_path, capsys, monkeypatch):
+    """--correction in a --compare and in a --sweep (one level, one seed, a step): both arms' train
+    steps call the loss with that correction, each run logs the share of tokens it clipped, and
+    the --compare report names the correction."""
+    seen = spy_loss(monkeypatch, "correction")
+    flags = "--task sequence --steps 1 --prompts 2 --group 4 --max-tokens 6 --eval-every 1"
+    flags += " --eval-n 8 --probe-n 8"
+    for extra, made in (
+        ("--compare --correction gspo:0.2,0.28", sc.gspo(0.2, 0.28)),
+        ("--sweep 0 --seeds 0 --correction ppo:0.2,0.28", sc.ppo(0.2, 0.28)),  # DAPO's
+    ):
+        seen.clear()
+        out = tmp_path / extra.split()[0][2:]
+        train.main([*flags.split(), *extra.split(), "--out", str(out)])
+        assert seen == [made, made], seen  # one train step traced a arm
+        runs = sorted(out.rglob("metrics.jsonl"))
+        assert [run.parent.name.split("_")[0] for run in runs] == ["centered", "uncentered"]
+        for run in runs:
+            assert 0 <= json.loads(run.read_text().splitlines()[0])["clipped"] <= 1, run
+    assert "--correction gspo:0.2,0.28, 1 steps" in capsys.readouterr().out
+
+
 def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, capsys, monkeypatch):
     """The full LLM loop (sampler, KV cache, int8 + noise, top-k record, train step), shortened: on
     two seeds, uncentred GRPO walks farther and its held-out score falls further than centred
     GRPO's. Its four runs, three at once (the sequence task's --workers), log what they log with
     another beside them, row for row (seed 0's two runs, run again two at once), and print a line
     as each finishes; a single seed prints every step instead, each line whole."""
-    seen = spy_center(monkeypatch)
+    seen = spy_loss(monkeypatch)
     flags = "--task sequence --compare --steps 8 --lr 0.4 --eval-n 128 --probe-n 8".split()
     summary = train.main([*flags, "--seeds", "0,1", "--out", str(tmp_path / "two")])
     assert sorted(seen) == [False, True]  # one train step traced per arm, shared by seeds, threads
@@ -223,8 +246,8 @@ def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(
             "1",
             "--eval-n",
             "8",
-            "--mis",
-            "0.2,5",
+            "--correction",
+            "mis:0.2,5",
         ]
 
     straight = train.main(flags() + ["--out", str(tmp_path / "a"), "--save", str(tmp_path / "a_w")])

@@ -1,6 +1,7 @@
 """train.py's train step and what feeds it: 1 device against 4 (FSDP, replicated, LoRA),
 --plan's bytes per device, two processes against one, micro-batches, group advantages, LoRA's
-gradient and merge, --tis-cap reaching the loss, and devices.join's coordinator timeout."""
+gradient and merge, --correction reaching the loss (TIS, and PPO's weight at each token's sign),
+and devices.join's coordinator timeout."""
 
 import inspect
 import json
@@ -18,6 +19,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import qwen3
+import score_centering as sc
 import train
 from helpers import LLAMA, STOP, _prompts, _strip, arange_pos, write_tiny_checkpoint
 from lab import devices, harness, hf_checkpoint, lora, plan, rollouts, tasks
@@ -61,7 +63,9 @@ def test_one_device_and_four_devices_give_the_same_step(tiny, use_lora, monkeypa
         params = jax.device_put(adapters, replicated) if use_lora else w
         state = opt.init(params)
         state = jax.device_put(state, replicated if use_lora else train.shardings(state, mesh))
-        step = train.make_train_step(tiny.cfg, opt, 8, mesh, True, 2.0, lora_scale=use_lora and 2.0)
+        step = train.make_train_step(
+            tiny.cfg, opt, 8, mesh, True, sc.tis(2.0), lora_scale=use_lora and 2.0
+        )
         placed, metrics = [x.sharding for x in jax.tree.leaves((params, state))], []
         for _ in range(2):  # the second step takes the first one's outputs as they are placed
             params, state, m = step(
@@ -296,9 +300,9 @@ def test_micro_batches_give_the_full_batch_token_mean(tiny):
     for a, b in zip(jax.tree.leaves(res[0][0]), jax.tree.leaves(res[1][0]), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-6)
     # the metrics, token means over the batch: micro-batches of 2 rows against 8 moved them by
-    # <= 6.3e-7 (correction; kl_q_p 2.7e-7), a mean of the passes' token means instead by 1.2e-3
-    # (correction) to 0.19 (entropy), kl_q_p by 1.9e-3 (4e-4 -> 2.4e-3); atol 1e-5 between
-    assert set(res[0][2]) >= {"kl_q_p", "logprob_gap", "entropy", "correction", "grad_norm"}
+    # <= 6.3e-7 (centring_size; kl_q_p 2.7e-7), a mean of the passes' token means instead by 1.2e-3
+    # (centring_size) to 0.19 (entropy), kl_q_p by 1.9e-3 (4e-4 -> 2.4e-3); atol 1e-5 between
+    assert set(res[0][2]) >= {"kl_q_p", "logprob_gap", "entropy", "centring_size", "grad_norm"}
     for k in res[0][2]:
         np.testing.assert_allclose(res[0][2][k], res[1][2][k], rtol=1e-5, atol=1e-5, err_msg=k)
 
@@ -458,33 +462,70 @@ def test_the_coordinator_timeout_reaches_jax_distributed(monkeypatch):
     assert seen["timeout"] == 180  # the default wait, 120 s
 
 
-def test_tis_cap_flag_reaches_the_loss():
-    """--tis-cap C: the uncentred step's loss is the closed form -mean_t A min(p/q, C) log p(y),
-    from the trainer's log p and the sampler's recorded log q; without the flag, the plain one."""
+def uncentred_step(correction):
+    """An uncentred train step of --task sequence, --correction TEXT (None: no flag), on a batch of
+    an int8 sampler (advantages -1 to 1): its metrics, the trainer's log p [B, M] and the batch."""
     base = "--task sequence --prompts 2 --group 4 --max-tokens 6".split()
+    args = harness.parse_args(base + ([] if correction is None else ["--correction", correction]))
     task = tasks.sequence_task(0, 8, 8)
+    fn = train.build(args, task.cfg, task.eos)
+    w_sampler = train.sampler_weights(task.weights, "int8")
+    prompts = [p for p, _ in task.train[:8]]
+    data = NamedSharding(fn.mesh, PartitionSpec("data"))
+    batch = rollouts.generate(
+        fn.samplers(args.sampler), w_sampler, prompts, 0, jax.random.PRNGKey(3), data, 8
+    )
+    batch["adv"] = np.linspace(-1, 1, 8).astype(np.float32)
+    logp = np.asarray(fn.logp(task.weights, batch), np.float64)  # [B, M]
+    weights = jax.tree.map(jnp.copy, task.weights)
+    state = fn.opt.init(weights)
+    _, _, metrics = fn.steps[False](weights, state, jax.device_put(batch, data))
+    return metrics, logp, batch
+
+
+def test_tis_cap_flag_reaches_the_loss():
+    """--correction tis:C: the uncentred step's loss is the closed form
+    -mean_t A min(p/q, C) log p(y), from the trainer's log p and the sampler's recorded log q;
+    without the flag, the plain one."""
     values = {}
     for cap in (None, 0.5):
-        args = harness.parse_args(base + ([] if cap is None else ["--tis-cap", str(cap)]))
-        fn = train.build(args, task.cfg, task.eos)
-        w_sampler = train.sampler_weights(task.weights, "int8")
-        prompts = [p for p, _ in task.train[:8]]
-        data = NamedSharding(fn.mesh, PartitionSpec("data"))
-        batch = rollouts.generate(
-            fn.samplers(args.sampler), w_sampler, prompts, 0, jax.random.PRNGKey(3), data, 8
-        )
-        batch["adv"] = np.linspace(-1, 1, 8).astype(np.float32)
-        logp = np.asarray(fn.logp(task.weights, batch), np.float64)  # [B, M]
+        m, logp, batch = uncentred_step(None if cap is None else f"tis:{cap}")
         ratio = np.exp(logp - batch["logq"])
         w = np.ones_like(ratio) if cap is None else np.minimum(ratio, cap)  # TIS: min(p/q, C)
         mask = batch["mask"]
         expected = -(batch["adv"][:, None] * w * logp * mask).sum() / mask.sum()
-        weights = jax.tree.map(jnp.copy, task.weights)
-        state = fn.opt.init(weights)
-        _, _, m = fn.steps[False](weights, state, jax.device_put(batch, data))
         np.testing.assert_allclose(float(m["loss"]), expected, rtol=1e-4, atol=1e-6)
         values[cap] = float(m["loss"])
     assert abs(values[None] - values[0.5]) > 1e-3  # the cap changes the loss here
+
+
+def test_ppo_flag_reaches_the_loss_at_each_tokens_sign():
+    """--correction ppo:EPS_LOW,EPS_HIGH,DUAL_CLIP: the uncentred step's loss is the closed form
+    -mean_t A f(r, sign A) log p(y), f from PPO's published objective by autograd: Schulman et
+    al.'s clipped surrogate, with Ye et al.'s dual clip c where A < 0,
+        L(r) = min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), and max(L, c A) where A < 0,
+    whose gradient L'(r) r s_y weighs the score s_y by f = r L'(r) / A (r on [0, 1 + eps_high]
+    where A > 0, on [1 - eps_low, c] where A < 0, 0 outside). A narrow band, as the ratios here
+    lie in 0.78 to 1.16 (or near 0): each of its three bounds drops a token of this batch, and the
+    step's `clipped` is the share of tokens dropped."""
+    eps_low, eps_high, c = 0.1, 0.02, 1.1
+
+    def surrogate(r, a):
+        clipped = jnp.minimum(r * a, jnp.clip(r, 1 - eps_low, 1 + eps_high) * a)
+        return jnp.where(a < 0, jnp.maximum(clipped, c * a), clipped)
+
+    m, logp, batch = uncentred_step(f"ppo:{eps_low},{eps_high},{c}")
+    r = np.exp(logp - batch["logq"])  # [B, M]
+    a = np.broadcast_to(batch["adv"][:, None], r.shape)
+    slope = jax.vmap(jax.grad(surrogate))(r.ravel(), a.ravel())  # L'(r): A or 0
+    f = r * (np.asarray(slope, np.float64).reshape(r.shape) / a)  # L'(r) / A: 1 or 0
+    mask = batch["mask"]
+    expected = -(a * f * logp * mask).sum() / mask.sum()
+    np.testing.assert_allclose(float(m["loss"]), expected, rtol=1e-4, atol=1e-6)
+    for dropped in (a > 0) & (r > 1 + eps_high), (a < 0) & (r < 1 - eps_low), (a < 0) & (r > c):
+        assert (dropped & mask).any()  # each bound matters here
+    share = ((f != r) & mask).sum() / mask.sum()  # tokens weighted other than by their ratio
+    np.testing.assert_allclose(float(m["clipped"]), share, atol=1e-6)
 
 
 def test_lora_alpha_flag_scales_the_merge_by_alpha_over_rank():
