@@ -11,7 +11,7 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 # sampler q(v) = q(v | h); score s_v = ∇_θ log p(v); A the rollout's advantage; y the sampled
 # token; z the trainer's logits, with ∇_z log p(v) = e_v − p.
 #
-# 1. The sampler q generates the rollouts, so REjnp.infORCE estimates the policy gradient with one
+# 1. The sampler q generates the rollouts, so REINFORCE estimates the policy gradient with one
 #    term per generated token: g = A · s_y, y ~ q.
 # 2. Zero-mean score lemma: Σ_v p(v) s_v = ∇_θ Σ_v p(v) = ∇_θ 1 = 0. On-policy (y ~ p), a part
 #    of A that does not depend on y (a baseline, a constant reward) adds no expected gradient.

@@ -29,10 +29,7 @@ W8 = ["int8", "fp8"]  # the 8-bit kinds of numerics a sampler (or its KV cache) 
 KV = [*W8, "int4"]  # the kinds a quantised KV cache may hold
 CORRECTIONS = dict(tis=sc.tis, mis=sc.mis, ppo=sc.ppo, cispo=sc.cispo, gspo=sc.gspo, topr=sc.topr)
 FORMS = "tis:C, mis:LO,HI, ppo:EPS_LOW,EPS_HIGH[,DUAL_CLIP], cispo or gspo:EPS_LOW,EPS_HIGH, topr"
-DPPO = (  # DPPO (Qi et al. 2026), refused by name: centring cannot compose with it here
-    "DPPO's mask reads the sampled token's shift |p - q| (a total-variation estimate), not p/q: "
-    "no weight f(p/q), so a top-k tail has no single mass to centre (score_centering.py step 10)"
-)
+DPPO = "dppo masks by the shift |p - q|, not by p/q: a top-k tail has no single mass (step 10)"
 
 
 def flag(key):  # "max_tokens" -> "--max-tokens"
@@ -127,17 +124,13 @@ def writable(path):  # the nearest existing folder on the way to `path` lets us 
     return writable(os.path.dirname(p))
 
 
-def below(key, low):  # a check: the flag was given, and is below `low`
-    return lambda a: getattr(a, key) is not None and getattr(a, key) < low
-
-
-def not_positive(key):  # a check: the flag was given, and is not a finite number > 0
+def not_positive(key):  # a check: the flag was given, and is not a finite number > 0 (int: >= 1)
     return lambda a: getattr(a, key) is not None and not 0 < getattr(a, key) < math.inf
 
 
 INTEGERS = "steps prompts group max_tokens eval_every eval_n probe_n micro_batch save_every lora"
 CHECKS = [  # (a test of the flags a: what is wrong, if anything; what to say, formatted with a)
-    *[(below(k, 1), f"{flag(k)} must be >= 1") for k in (*INTEGERS.split(), "workers")],
+    *[(not_positive(k), f"{flag(k)} must be >= 1") for k in (*INTEGERS.split(), "workers")],
     *[(not_positive(k), f"{flag(k)} must be a finite number > 0") for k in ("lr", "lora_alpha")],
     (lambda a: not 0 <= a.weight_noise < math.inf, "--weight-noise must be a finite number >= 0"),
     (
@@ -167,8 +160,7 @@ CHECKS = [  # (a test of the flags a: what is wrong, if anything; what to say, f
     ),
     (
         lambda a: a.sweep and {"sampler", "weight_noise", "kv_quant"} & a.given,
-        "--sweep sets the sampler, its noise and its KV cache: drop --sampler, --weight-noise "
-        "and --kv-quant",
+        "--sweep sets --sampler, --weight-noise and --kv-quant at each level: drop them",
     ),
     (lambda a: a.compare and a.center, "--compare runs centring off and on: drop --center"),
     (lambda a: a.baseline == "group" and a.group < 2, "--baseline group needs --group >= 2"),
@@ -186,8 +178,7 @@ CHECKS = [  # (a test of the flags a: what is wrong, if anything; what to say, f
     # paths
     (
         lambda a: "" in (a.out, a.save, a.plot, a.resume, a.data_dir, a.model),
-        "an empty --out, --save, --plot, --resume, --data-dir or --model: give a path or drop "
-        "the flag",
+        "an empty --out, --save, --plot, --resume, --data-dir or --model: give a path or drop it",
     ),
     (
         lambda a: a.plot and not importlib.util.find_spec("matplotlib"),
@@ -476,9 +467,7 @@ def resume(out, hist, *trees):  # hist and trees from out's state, if any; metri
         with np.load(file) as z:
             leaves, tree = jax.tree.flatten(trees)
             if [z[f"a{i}"].shape for i in range(len(z.files) - 1)] != [x.shape for x in leaves]:
-                raise ValueError(
-                    f"{file} does not match this run (model, --lora, --optimizer, --staleness)"
-                )
+                raise ValueError(f"{file}: another run's (model, --lora, --optimizer, --staleness)")
             hist = json.loads(str(z["hist"]))
             leaves = [
                 jax.device_put(z[f"a{i}"].astype(x.dtype), x.sharding) for i, x in enumerate(leaves)

@@ -96,7 +96,7 @@ def test_correction_is_kept_as_typed_and_makes_that_constructors_correction():
         (["--topk", "-1"], "--topk"),
         (["--lr", "nan"], "--lr"),
         (["--weight-noise", "inf"], "--weight-noise"),
-        (["--correction", "dppo:0.2"], "--correction dppo:0.2: DPPO's mask reads"),
+        (["--correction", "dppo:0.2"], "--correction dppo:0.2: dppo masks by the shift"),
         (["--correction", "nope:1"], "--correction nope:1: unknown: use tis:C, mis:LO,HI, ppo:"),
         (["--correction", "tis"], "--correction tis: tis() missing"),
         (["--correction", "tis:0"], "--correction tis:0: correction must be"),
