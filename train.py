@@ -21,6 +21,7 @@ top-k head size, D model width, L layers, K key/value heads, H head dimension.
 """
 
 import math
+import time
 from collections import namedtuple
 from functools import cache, partial
 
@@ -364,15 +365,23 @@ def run(args, task, fn, center, seed, out, prefix=""):
     # the drift meter, on completions drawn once from p_0's clean bf16 copy; the held-out score.
     # rollouts.generate: the prompts left-padded to one length, `rows` a sampler call, the record
     # as arrays. drift(w): the probe tokens' mean log p_0(y) − log p_w(y), about KL(p_0 ‖ p_w)
+    say = partial(harness.say, prefix=prefix)  # what runs before and between the steps: its time
+    tic = time.perf_counter()
     probe = rollouts.generate(fn.prober, copy(params), task.probe, task.pad, probe_key, data, rows)
     drift = rollouts.drift_meter(fn.logp, probe, policy(params), args.micro_batch, data)
+    say(f"probe: {len(task.probe)} completions of p_0, {time.perf_counter() - tic:.0f} s")
     test, golds = [p for p, _ in task.test], [gold for _, gold in task.test]
     # rows a greedy call: the held-out set (up to 512 of it) in one, rounded up to a multiple of P·G
     held_out = rows * math.ceil(min(len(test), 512) / rows)
 
     def evaluate(params):
-        greedy = rollouts.generate(fn.greedy, copy(params), test, task.pad, key, data, held_out)
+        say(f"evaluation: {len(test)} held-out prompts, greedy, {held_out} rows a call")
+        tic = time.perf_counter()
+        greedy = rollouts.generate(
+            fn.greedy, copy(params), test, task.pad, key, data, held_out, say
+        )
         acc = float(np.mean(task.reward(greedy["tokens"], greedy["mask"], golds)))
+        say(f"evaluation: score {acc:.3f}, {time.perf_counter() - tic:.0f} s")
         return dict(drift=drift(policy(params)), acc=acc)
 
     # the rollouts: P prompts a step, each G times, in an order drawn from the seed
@@ -423,7 +432,9 @@ def main(argv=None):
     harness.start(args)
 
     def work():
+        tic = time.perf_counter()
         task = tasks.load(args, shardings)  # bad input: one line
+        harness.say(f"load: {time.perf_counter() - tic:.1f} s")
         if args.plan:  # then `task` is the model's config.json alone, and (0,) stands in for eos
             adapters = partial(lora.init, input_axes=INPUT_AXES)
             return plan.plan(args, dict(task), build(args, task, (0,)), shardings, adapters)

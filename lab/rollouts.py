@@ -39,16 +39,19 @@ def left_pad(prompts, pad_id, multiple=32):
     return tokens, pos
 
 
-def generate(sampler, w, prompts, pad_id, key, data, n):
+def generate(sampler, w, prompts, pad_id, key, data, n, say=None):
     """Every prompt through sampler(w, prompt, pos, key), n rows (one program) a call, each call's
     rows split over the devices (`data`). The last call is padded with copies of the first prompt,
-    cut from the result. Returns the sampler's record [B, M, ...] with prompt and pos [B, T0]."""
+    cut from the result. Returns the sampler's record [B, M, ...] with prompt and pos [B, T0].
+    say(text): told the prompts done after each call, when there are several."""
     pad = -len(prompts) % n
     prompt, pos = [np.concatenate([x, np.repeat(x[:1], pad, 0)]) for x in left_pad(prompts, pad_id)]
     outs = []
     for i in range(0, len(prompt), n):
         rows = jax.device_put((prompt[i : i + n], pos[i : i + n]), data)
         outs.append(host(sampler(w, *rows, jax.random.fold_in(key, i))))
+        if say and len(prompt) > n:
+            say(f"  {min(i + n, len(prompts))} of {len(prompts)} prompts")
     out = {k: np.concatenate([o[k] for o in outs])[: len(prompts)] for k in outs[0]}
     return out | dict(prompt=prompt[: len(prompts)], pos=pos[: len(prompts)])
 

@@ -20,7 +20,7 @@ import pytest
 import score_centering as sc
 import train
 from helpers import _strict_json, _strip, tiny_argv, write_gsm8k
-from lab import compare, harness, hf_checkpoint, tasks
+from lab import compare, harness, hf_checkpoint, rollouts, tasks
 
 # the project root, where train.py is (run as a script by the Ctrl-C test)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -529,3 +529,31 @@ def test_compare_report_credits_the_arm_that_was_centred(capsys):
     assert out["verdict"].startswith("verdict: centring VALIDATED")
     assert re.search(r"mean uncentered\s+0\.600\s+0\.400\s+0\.200", printed), printed
     assert re.search(r"mean centered\s+0\.600\s+0\.600\s+0\.000", printed), printed
+
+
+def test_a_run_says_what_it_does_before_its_first_step(tmp_path, gsm, capsys):
+    """Between the config line and step 0: the load, the probe and the first evaluation, each with
+    its seconds (the sampler and the drift meter compile there). Generation over several calls says
+    the prompts done after each."""
+    train.main(tiny_argv(gsm, "--steps", "1", "--out", str(tmp_path / "run")))
+    lines = capsys.readouterr().out.splitlines()
+    before = lines[1 : next(i for i, line in enumerate(lines) if line.startswith("step "))]
+    assert re.fullmatch(r"load: \d+\.\d s", before[0]), before
+    assert re.fullmatch(r"probe: 3 completions of p_0, \d+ s", before[1]), before
+    assert re.fullmatch(r"evaluation: 3 held-out prompts, greedy, 8 rows a call", before[2]), before
+    assert re.fullmatch(r"evaluation: score \d\.\d{3}, \d+ s", before[3]) and len(before) == 4
+
+    said = []
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+    def sampler(w, prompt, pos, key):
+        return dict(tokens=prompt)
+
+    n = len(jax.devices()) * 2
+    key = jax.random.PRNGKey(0)
+    out = rollouts.generate(sampler, None, [[1, 2]] * (2 * n + 1), 0, key, data, n, said.append)
+    assert len(out["tokens"]) == 2 * n + 1
+    assert said == [f"  {k} of {2 * n + 1} prompts" for k in (n, 2 * n, 2 * n + 1)]
+    rollouts.generate(sampler, None, [[1, 2]] * n, 0, key, data, n, said.append)  # one call
+    assert len(said) == 3
