@@ -37,12 +37,12 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    its score; under y ~ q a token v then enters with the mass m_v = q(v) f(r_v), not q(v), so
 #    centring subtracts Σ_v m_v s_v: ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_v sg(m_v) log p(v)].
 #    A `Correction` is f as a band: r inside, r clamped into it or 0 outside. TIS: f(r) = min(r, C),
-#    m = min(p, C q). MIS (IcePop): r in [lo, hi], else 0: m = p or 0 (on [0, ∞), full IS: m = p,
-#    no drift as Σ_v p s_v = 0, but noisy). CISPO: r clamped into [1 − ε_low, 1 + ε_high]. PPO,
-#    one step with q as the old policy (DAPO: ε_high > ε_low): 0 above 1 + ε_high where A > 0,
-#    below 1 − ε_low (or above a dual clip) where A < 0, a band taken at the token's own sign for
-#    every v: m_v = q(v) f(r_v, sign A). A row's weight w (GSPO: PPO's band on the geometric mean
-#    of its r; TOPR: 1 where A > 0, else its product of r capped at 1) makes A → w A; m stays q.
+#    m = min(p, C q). MIS (IcePop): r in [lo, hi], else 0: m = p or 0 (on [0, ∞): full IS, m = p,
+#    drift-free but noisy). CISPO: r clamped into [1 − ε_low, 1 + ε_high]. PPO, q the old policy
+#    (DAPO: ε_high > ε_low): 0 above 1 + ε_high where A > 0, below 1 − ε_low (or above a dual clip)
+#    where A ≤ 0; the token's band holds for every v, m_v = q(v) f(r_v, sign A), so a constant A of
+#    either sign has no expected update. A row's weight w (GSPO: PPO's band on the geometric mean of
+#    its r; TOPR: 1 where A > 0, else its product of r capped at 1) makes A → w A; m stays q.
 # 10. Top-k. q over a 151k vocabulary at every token is too big to keep: the sampler records its
 #     head, its k most likely ids and their log q. Off the head, model q as the trainer's p
 #     scaled to the mass that q leaves there (FLOOR bounds both masses from below):
