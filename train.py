@@ -31,18 +31,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import qwen3
 import score_centering as sc
 from lab import compare, harness, hf_checkpoint, lora, plan, rollouts, tasks
 from lab.devices import host, shardings
+from lab.models import INPUT_AXES, model  # the weights' input axes; the model cfg names
 
 TEMPERATURE = 1.0  # the sampler's; the recorded log q is the post-temperature distribution
 SAMPLER_DTYPE = jnp.bfloat16  # the sampler's weights and activations (W8A8: the stored values)
-# each matmul weight's contracted (input) axes: [L, inputs..., outputs...] in a layer, [V, D] for
-# the embedding and head. One quantisation scale per output channel; lora_a spans these axes
-INPUT_AXES = dict(q=(1,), k=(1,), v=(1,), o=(1, 2), gate=(1,), up=(1,), down=(1,), embed=(1,))
-INPUT_AXES["lm_head"] = (1,)  # untied: the output head, [V, D] like the embedding
-# (o is [L, N, H, D]: its input, axes 1 and 2, is the N heads' outputs of H each)
+STATE_DTYPES = dict(bf16=jnp.bfloat16, fp16=jnp.float16)  # --state-dtype: Qwen3.5's, not float32
 
 # -------------------------------------------------------------------------------------------------
 # The sampler: a bf16 copy of the weights, its own numerics; KV-cache decoding that records q
@@ -79,15 +75,13 @@ def sampler_weights(w, kind, sigma=0.0, key=None):
         leaves, tree = jax.tree.flatten(w)
         keys = tree.unflatten(list(jax.random.split(key, len(leaves))))  # a key a weight
         w = jax.tree.map(lambda x, key: x * (1 + sigma * jax.random.normal(key, x.shape)), w, keys)
+
+    def quant(path, x):  # a weight at the top or in a stack of layers, by its name
+        name = path[-1].key
+        return fake_quant(x, INPUT_AXES[name], kind) if name in INPUT_AXES else x
+
     if kind != "bf16":
-
-        def quant(d):
-            return {
-                name: fake_quant(x, INPUT_AXES[name], kind) if name in INPUT_AXES else x
-                for name, x in d.items()
-            }
-
-        w = dict(quant(w), layers=quant(w["layers"]))
+        w = jax.tree_util.tree_map_with_path(quant, w)
     return jax.tree.map(lambda x: x.astype(SAMPLER_DTYPE), w)
 
 
@@ -109,10 +103,11 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False, gr
     """fn(weights, prompt [B, T0], pos [B, T0], key) -> dict of tokens, logq, mask [B, M] and the
     head: head_ids, head_logq [B, M, k], log q after temperature, normalised over all V (topk 0:
     the full [B, M, V] log q, no ids). Prefills once, then decodes a token a step until every row
-    has ended its turn. numerics: qwen3.forward's mm (quant_mm), dtype (SAMPLER_DTYPE), kv_quant.
-    group: the rows come in runs of `group` copies of one prompt, each run prefilled once."""
+    has ended its turn. numerics: forward's mm (quant_mm), dtype (SAMPLER_DTYPE), kv_quant, and
+    Qwen3.5's state_dtype. group: the rows come in runs of `group` copies of one prompt, each run
+    prefilled once. The model (qwen3.py or qwen3_5.py) is the one cfg names."""
     numerics = dict(dtype=SAMPLER_DTYPE) | (numerics or {})
-    fwd, eos = partial(qwen3.forward, cfg, **numerics), jnp.array(eos_ids)
+    fwd, eos = partial(model(cfg).forward, cfg, **numerics), jnp.array(eos_ids)
 
     def sample(w, prompt, pos, key):
         B, T0 = prompt.shape
@@ -120,13 +115,14 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False, gr
 
         # prefill: each prompt into the KV cache once, then copied to its group's rows; the logits
         # that predict the first token
-        cache = qwen3.init_kv(cfg, B // group, T0 + M, numerics["dtype"])
+        cache = model(cfg).init_kv(cfg, B // group, T0 + M, numerics["dtype"])
         logits, cache = fwd(w, prompt[::group], pos[::group], cache, 0, last=1)
 
         def copies(x, axis=0):  # B / group rows along `axis` -> B: each `group` times
             return jnp.repeat(x, group, axis)
 
-        cache = dict(k=copies(cache["k"], 1), v=copies(cache["v"], 1), pos=copies(cache["pos"]))
+        # each cache entry holds its rows on axis 1, after a layer axis; pos [B, S] on axis 0
+        cache = {name: copies(x, 0 if name == "pos" else 1) for name, x in cache.items()}
         logits = copies(logits)  # [B, 1, V]
 
         # decode: a token a step, drawn from q and recorded with log q and the head of q
@@ -172,7 +168,7 @@ def completion_logits(cfg, w, prompt, pos, tokens, mm=jnp.einsum):
     seq_pos = jnp.concatenate([pos, pos[:, -1:] + 1 + jnp.arange(M)[None, :]], 1)
     seq = jnp.concatenate([prompt, tokens], 1)
     with jax.default_matmul_precision("highest"):  # a float32 trainer, not TF32 or bf16 passes
-        logits = qwen3.forward(cfg, w, seq, seq_pos, mm=mm, last=M + 1)[0]
+        logits = model(cfg).forward(cfg, w, seq, seq_pos, mm=mm, last=M + 1)[0]
     return logits[:, :-1] / TEMPERATURE  # position T0 - 1 + t predicts token t; the last, none
 
 
@@ -324,8 +320,10 @@ def build(args, cfg, eos):
     loss_flags = dict(correction=harness.correction(args.correction), lora_scale=lora_scale)
 
     @cache
-    def samplers(kind, kv=None):  # W8A8 kind, the KV cache's kind
+    def samplers(kind, kv=None, state=None):  # W8A8 kind, the KV cache's kind, the state's dtype
         numerics = dict(mm=quant_mm(kind), kv_quant=kv_quant(kv))
+        if state:  # Qwen3.5's recurrent state held at bf16 or fp16 (a dense model has none)
+            numerics["state_dtype"] = STATE_DTYPES[state]
         return make_sampler(cfg, args.max_tokens, args.topk, eos, numerics, group=args.group)
 
     steps = [
@@ -391,7 +389,8 @@ def run(args, task, fn, center, seed, out, prefix=""):
         first = step * args.prompts
         problems = [task.train[order[(first + i // args.group) % len(order)]] for i in range(rows)]
         prompts, golds = [p for p, _ in problems], [gold for _, gold in problems]
-        sampler, step_key = fn.samplers(args.sampler, args.kv_quant), jax.random.fold_in(key, step)
+        sampler = fn.samplers(args.sampler, args.kv_quant, args.state_dtype)
+        step_key = jax.random.fold_in(key, step)
         return rollouts.generate(sampler, w_sampler, prompts, task.pad, step_key, data, rows), golds
 
     def train_step(params, opt_state, batch):

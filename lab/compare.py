@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 
-from lab import harness, sweep, tasks
+from lab import harness, models, sweep, tasks
 
 
 def compare(args, task, fn, run):
@@ -102,8 +102,9 @@ def verdict(runs, score="accuracy"):  # runs: [{"uncentered": summary, "centered
 
 def report(args, cfg, res):  # --compare: table, verdict, figure; res {run: summary}, off/on pairs
     print(
-        f"\n{cfg['num_hidden_layers']}-layer Qwen3, --sampler {args.sampler}, "
-        f"--kv-quant {args.kv_quant}, --weight-noise {args.weight_noise}, "
+        f"\n{cfg['num_hidden_layers']}-layer {models.NAMES[cfg['model_type']]}, "
+        f"--sampler {args.sampler}, --kv-quant {args.kv_quant}, --state-dtype {args.state_dtype}, "
+        f"--weight-noise {args.weight_noise}, "
         f"--staleness {args.staleness}, --correction {args.correction}, "
         f"{args.steps} steps, lr {args.lr}"
     )

@@ -13,15 +13,17 @@ import numpy as np
 from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from lab.models import STACKS
+
 
 def shardings(tree, mesh=None):
     """FSDP: each matrix of a weight tree (or of its optimizer state) split over the mesh (default:
     every device) on its largest axis the device count divides, never the stacked layer axis L
-    that lax.scan slices; vectors and scalars whole on every device (one device: replicated)."""
+    that a layer slices; vectors and scalars whole on every device (one device: replicated)."""
     mesh = mesh or Mesh(np.array(jax.devices()), ("data",))
 
     def spec(path, x):
-        stacked = any(getattr(k, "key", None) == "layers" for k in path)  # [L, ...]
+        stacked = any(getattr(k, "key", None) in STACKS for k in path)  # [L, ...]
         if x.ndim - stacked < 2:
             return NamedSharding(mesh, PartitionSpec())
         axes = [i for i in range(stacked, x.ndim) if x.shape[i] % mesh.size == 0]

@@ -23,7 +23,6 @@ from lab import devices, hf_checkpoint, tasks
 SEEDED = {"model": "it builds its model from --seed", "data_dir": "it has no data files"}
 MADE = {"data_dir": "it makes its problems"}
 NOT_USED = dict(gsm8k={}, arithmetic=MADE, sequence=SEEDED, chain=SEEDED)  # a task's: refused
-QWEN3_06B = "Qwen/Qwen3-0.6B"
 OPTIMIZERS = ["sgd", "adam", "adamw"]  # optax's, at a constant learning rate
 W8 = ["int8", "fp8"]  # the 8-bit kinds of numerics a sampler (or its KV cache) may use
 KV = [*W8, "int4"]  # the kinds a quantised KV cache may hold
@@ -81,7 +80,7 @@ def declare(p, defaults=True):  # defaults=False: none, to see which flags were 
     a("--workers", "with --compare: runs at once, threads sharing the compiled programs", type=int)
     levels_help = ", ".join(f"{t} {s}" for t, s in tasks.SWEEP_LEVELS.items())
     a("--sweep", f"--compare at each mismatch: σ, int8, fp8, +kv_KIND ({levels_help})", **sweep)
-    a("--model", "Hugging Face repo id or local checkpoint directory", default=QWEN3_06B)
+    a("--model", "Hugging Face repo id or local checkpoint directory", default="Qwen/Qwen3-0.6B")
     a("--data-dir", "folder with GSM8K train.jsonl and test.jsonl (default: download once, cached)")
     a("--seed", "seed of the data order, the sampler's noise and the rollouts", type=int, default=0)
     a("--out", "a new folder: metrics.jsonl (flushed every step), summary.json, resumable state")
@@ -108,6 +107,7 @@ def declare(p, defaults=True):  # defaults=False: none, to see which flags were 
     group = p.add_argument_group("mismatch: how the sampler differs from the float32 trainer")
     a("--sampler", "bf16, or W8A8 fake quantisation", choices=["bf16", *W8])
     a("--kv-quant", "fake-quantise the keys and values it caches (default: off)", choices=KV)
+    a("--state-dtype", "Qwen3.5's DeltaNet state (default: float32)", choices=["bf16", "fp16"])
     a("--weight-noise", "fixed relative weight noise σ", type=float)
     a("--staleness", "extra steps a sampler copy serves (>= --steps: frozen)", type=int, default=0)
 

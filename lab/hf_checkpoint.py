@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-import qwen3
 import qwen3_5
+from lab.models import layout, shapes
 from lab.tokenizer import load_tokenizer, read_json
 
 Model = collections.namedtuple("Model", "cfg weights tokenizer path")  # tokenizer: None if no files
@@ -158,14 +158,6 @@ def config(path, files=("config.json",)):
 
 
 # ---- loading: every header is checked before any tensor is read
-def layout(cfg):
-    """The weights as qwen3_5.layout gives them: qwen3.py's every layer in one stack, "layers"."""
-    if cfg["model_type"] == "qwen3_5_text":
-        return qwen3_5.layout(cfg)
-    top, layers = qwen3.layout(cfg)
-    return top, {"layers": (range(cfg["num_hidden_layers"]), layers)}
-
-
 def tensor_problem(name, shape, entry):  # what is wrong with a tensor's header entry, or ""
     if entry is None:
         return f"tensor {name} is missing"
@@ -222,14 +214,10 @@ def load(path, dtype=jnp.float32, place=None):
         expected |= {hf.format(i): shape for hf, shape, _ in layers.values() for i in ids}
     header = read_headers(path, expected)
     src = {k: view(*header[hf]) for k, (hf, _, _) in top.items()}
-    shapes = {k: jax.ShapeDtypeStruct(s, dtype) for k, (_, _, s) in top.items()}
     for name, (ids, layers) in stacks.items():
         src[name] = {  # [out, in] -> [in, out], one view per layer
             k: [view(*header[hf.format(i)]).T.reshape(s) for i in ids]
             for k, (hf, _, s) in layers.items()
-        }
-        shapes[name] = {
-            k: jax.ShapeDtypeStruct((len(ids), *s), dtype) for k, (_, _, s) in layers.items()
         }
 
     def read(x, slices):  # a block of one tensor, in dtype; of a layer weight: from its L views
@@ -242,7 +230,8 @@ def load(path, dtype=jnp.float32, place=None):
             return jax.make_array_from_callback(shape.shape, sharding, lambda i: read(x, i))
         return jnp.asarray(read(x, (slice(None),) * len(shape.shape)))  # uncommitted
 
-    weights = jax.tree.map(array, shapes, place(shapes) if place else shapes, src)
+    abstract = shapes(cfg, dtype)
+    weights = jax.tree.map(array, abstract, place(abstract) if place else abstract, src)
     return Model(cfg, weights, load_tokenizer(path, cfg), path)
 
 

@@ -1,42 +1,52 @@
-"""LoRA adapters on every attention and MLP matmul of a layer: their start, the merged weights the
-sampler and --save take, and the trainer's matmul that never merges them (docs/lora.md).
-L layers, r the rank; a weight is [L, inputs..., outputs...], its inputs the axes `input_axes`
-names (train.INPUT_AXES), and an adapter pair lora_a [L, inputs, r], lora_b [L, r, outputs]."""
+"""LoRA adapters on every matmul of a layer, of each kind (attention, linear attention, MLP): their
+start, the merged weights the sampler and --save take, and the trainer's matmul that never merges
+them (docs/lora.md). L layers, r the rank; a weight is [L, inputs..., outputs...] in a stack of
+layers (lab/models.py), its inputs the axes `input_axes` names (train.INPUT_AXES), and an adapter
+pair lora_a [L, inputs, r], lora_b [L, r, outputs]."""
 
 import math
 
 import jax
 import jax.numpy as jnp
 
-PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # every attention and MLP matmul
+from lab.models import STACKS
 
 
 def init(w, rank, key, input_axes):
-    """Adapters per projection: lora_a normal of variance 1/fan-in, lora_b = 0 (starts at base)."""
-    adapters = {}
-    for name, key_a in zip(PROJECTIONS, jax.random.split(key, len(PROJECTIONS)), strict=True):
-        x = w["layers"][name]  # [L, inputs..., outputs...]
+    """Adapters {stack: {weight: pair}} on each matmul weight of each stack of layers (the weights
+    input_axes names): lora_a normal of variance 1/fan-in, lora_b = 0 (starts at the base)."""
+    pairs = [(stack, name) for stack in STACKS if stack in w for name in input_axes]
+    pairs = [(stack, name) for stack, name in pairs if name in w[stack]]
+    adapters = {stack: {} for stack, _ in pairs}
+    for (stack, name), key_a in zip(pairs, jax.random.split(key, len(pairs)), strict=True):
+        x = w[stack][name]  # [L, inputs..., outputs...]
         fan_in = math.prod(x.shape[1 : 1 + len(input_axes[name])])
         lora_a = jax.random.normal(key_a, (x.shape[0], fan_in, rank)) * fan_in**-0.5
         lora_b = jnp.zeros((x.shape[0], rank, x[0].size // fan_in))
-        adapters[name] = dict(lora_a=lora_a, lora_b=lora_b)
+        adapters[stack][name] = dict(lora_a=lora_a, lora_b=lora_b)
     return adapters
 
 
 def merge(params, base, scale=None):
-    """The policy's weights: base + scale · lora_a lora_b per projection (no base: the params)."""
+    """The policy's weights: base + scale · lora_a lora_b per weight (no base: the params)."""
     if base is None:
         return params
-    layers = dict(base["layers"])
-    for name, ab in params.items():
-        delta = scale * jnp.einsum("lir,lro->lio", ab["lora_a"], ab["lora_b"])
-        layers[name] = layers[name] + delta.reshape(layers[name].shape)
-    return dict(base, layers=layers)
+    merged = dict(base)
+    for stack, adapters in params.items():
+        layers = dict(base[stack])
+        for name, ab in adapters.items():
+            delta = scale * jnp.einsum("lir,lro->lio", ab["lora_a"], ab["lora_b"])
+            layers[name] = layers[name] + delta.reshape(layers[name].shape)
+        merged[stack] = layers
+    return merged
 
 
-def attach(params, base):  # the trainer's weights: each projection's W with its adapters
-    adapted = {name: dict(w=base["layers"][name], **ab) for name, ab in params.items()}
-    return dict(base, layers=base["layers"] | adapted)
+def attach(params, base):  # the trainer's weights: each adapted W with its adapters
+    adapted = {
+        stack: base[stack] | {name: dict(w=base[stack][name], **ab) for name, ab in pairs.items()}
+        for stack, pairs in params.items()
+    }
+    return base | adapted
 
 
 def matmul(scale):

@@ -9,15 +9,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-import qwen3
-from lab import harness
+from lab import harness, models
 
 
 def plan(args, cfg, fn, shardings, lora_init, T0=256):
     """--plan: the sampler and the train step compiled on shapes and shardings alone; prints and
     returns the bytes per device. fn: train.build's programs; shardings, lora_init: train's FSDP
     layout and LoRA adapters; T0: the prompt tokens planned for (GSM8K's: 100 to 250)."""
-    top, layers = qwen3.layout(cfg)
     L, mesh = cfg["num_hidden_layers"], fn.mesh
     B, M, key = args.prompts * args.group, args.max_tokens, jax.random.PRNGKey(0)  # B = P·G
 
@@ -34,8 +32,7 @@ def plan(args, cfg, fn, shardings, lora_init, T0=256):
     def trained(tree):  # FSDP shards; LoRA: the adapters and their state whole on every device
         return everywhere(PartitionSpec(), tree) if args.lora else shardings(tree, mesh)
 
-    w = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, (_, _, s) in top.items()}
-    w["layers"] = {k: jax.ShapeDtypeStruct((L, *s), jnp.float32) for k, (_, _, s) in layers.items()}
+    w = models.shapes(cfg)  # float32, as loaded
     w16 = jax.tree.map(lambda x: x.update(dtype=jnp.bfloat16), w)
     w16 = placed(w16, everywhere(PartitionSpec(), w16))  # the sampler's copy
     w = placed(w, shardings(w, mesh))
@@ -50,8 +47,10 @@ def plan(args, cfg, fn, shardings, lora_init, T0=256):
     s = fn.samplers(args.sampler).lower(w16, prompt, prompt, key).compile().memory_analysis()
     step = fn.steps[args.center]
     t = step.lower(params, state, batch, w if args.lora else None).compile().memory_analysis()
-    kv = 2 * L * B // mesh.size * (T0 + M) * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
-    rows = {  # kv: K and V in bf16
+    init_kv = partial(models.model(cfg).init_kv, cfg, B // mesh.size, T0 + M, jnp.bfloat16)
+    cache = jax.eval_shape(init_kv)
+    kv = sum(x.size * x.dtype.itemsize for name, x in cache.items() if name != "pos")
+    rows = {  # kv: a device's rows of the sampler's cache (K, V; Qwen3.5's conv inputs and state)
         "weights": size(w),
         "adapters": size(params) * bool(args.lora),
         "gradients": size(params),
@@ -69,7 +68,7 @@ def plan(args, cfg, fn, shardings, lora_init, T0=256):
     rows["peak in the train step"] = rows["sampler weights"] + stepping + t.temp_size_in_bytes
     lora = f", LoRA {args.lora}" if args.lora else ""
     shape = f"{B} rollouts x ({T0} + {M} tokens), micro-batch {args.micro_batch}"
-    name = dict(qwen3="Qwen3", llama="Llama")[cfg["model_type"]]
+    name = models.NAMES[cfg["model_type"]]
     print(f"--plan: {L}-layer {name}, {shape}, {args.optimizer}{lora}, {mesh.size} devices")
     harness.table(
         "per device", {k: dict(MiB=v / 2**20) for k, v in rows.items()}, dict(MiB="{:10,.1f}")

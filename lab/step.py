@@ -47,7 +47,7 @@ def main(argv, train):
     # the step's parts
     problems = [task.train[i // args.group] for i in range(rows)]
     prompts, golds = [p for p, _ in problems], [g for _, g in problems]
-    sampler = fn.samplers(args.sampler, args.kv_quant)
+    sampler = fn.samplers(args.sampler, args.kv_quant, args.state_dtype)
     batch = timed(
         "sample", lambda: rollouts.generate(sampler, w_q, prompts, task.pad, key, data, rows)
     )

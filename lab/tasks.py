@@ -239,6 +239,10 @@ def check_against_model(cfg, args):  # the flags that the model's config.json ca
         raise ValueError(f"--topk {args.topk} exceeds the {V} tokens of {name}")
     if args.topk == 0 and V > 4096:
         raise ValueError(f"--topk 0 records q over all {V} tokens of {name}: use --topk 128")
+    if args.state_dtype and cfg["model_type"] != "qwen3_5_text":  # no linear attention
+        raise ValueError(
+            f"--state-dtype {args.state_dtype}: {name} has no recurrent state: drop it"
+        )
     if args.max_tokens >= n_pos:
         raise ValueError(
             f"--max-tokens {args.max_tokens} reaches past the {n_pos} positions of {name}"

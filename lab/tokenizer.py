@@ -165,6 +165,12 @@ def load_tokenizer(path, cfg):
             f"{path}: no eos_token_id in generation_config.json or config.json: add one"
         )
     eos = tuple(eos) if isinstance(eos, list) else (eos,)
+    template = chat_template(path, tokenizer_config)
+    # a reply ends its turn at ChatML's <|im_end|> where the template writes it (Qwen's, SmolLM2's),
+    # whatever config.json names (Qwen3.5's: <|endoftext|>, 248044, which ends a document)
+    end_of_turn = special.get("<|im_end|>")
+    if template and "<|im_end|>" in template and end_of_turn not in (None, *eos):
+        eos = (*eos, end_of_turn)
     known = {*ranks.values(), *special.values()}  # ids with a token: Qwen3 has 151,669 of 151,936
 
     def encode(text):  # NFC where the tokenizer normalises so (Qwen's)
@@ -175,7 +181,6 @@ def load_tokenizer(path, cfg):
     def decode(ids):  # skips the ids without a token (a sampler may return any id < V)
         return enc.decode([i for i in map(int, ids) if i in known])
 
-    template = chat_template(path, tokenizer_config)
     text_of = template and render(template, **token_names(tokenizer_config))
 
     def chat(text):  # the prompt's ids

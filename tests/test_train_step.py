@@ -320,8 +320,8 @@ def test_lora_starts_at_the_base_and_its_gradient_is_the_chain_rule(tiny, b_scal
     lora_init starts, merge gives the base and lora_a's gradient is 0)."""
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     adapters = lora.init(tiny.weights, 4, jax.random.PRNGKey(0), train.INPUT_AXES)
-    keys = iter(jax.random.split(jax.random.PRNGKey(1), len(adapters)))
-    for ab in adapters.values():
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), len(adapters["layers"])))
+    for ab in adapters["layers"].values():
         ab["lora_b"] = b_scale * jax.random.normal(next(keys), ab["lora_b"].shape)
     merged = lora.merge(adapters, tiny.weights, 2.0)
     assert b_scale or all(
@@ -340,12 +340,13 @@ def test_lora_starts_at_the_base_and_its_gradient_is_the_chain_rule(tiny, b_scal
     full, _, _ = train.make_train_step(tiny.cfg, opt, 8, mesh, center=True)(
         jax.tree.map(jnp.copy, merged), opt.init(merged), batch
     )
+    new = new["layers"]  # qwen3's one stack of layers
     assert set(new) == {"q", "k", "v", "o", "gate", "up", "down"} and set(new["q"]) == {
         "lora_a",
         "lora_b",
     }
     for name, ab in new.items():
-        a, b = adapters[name]["lora_a"], adapters[name]["lora_b"]  # [L, in, r], [L, r, out]
+        a, b = adapters["layers"][name]["lora_a"], adapters["layers"][name]["lora_b"]
         gw = (merged["layers"][name] - full["layers"][name]).reshape(*a.shape[:2], -1)
         for got, was, expected in (
             (ab["lora_a"], a, 2.0 * jnp.einsum("lio,lro->lir", gw, b)),
@@ -533,9 +534,10 @@ def test_lora_alpha_flag_scales_the_merge_by_alpha_over_rank():
     task = tasks.sequence_task(0, 8, 8)
     fn = train.build(args, task.cfg, task.eos)
     params = lora.init(task.weights, 4, jax.random.PRNGKey(0), train.INPUT_AXES)
-    for k, ab in params.items():  # B starts at 0: give it values, so that the merge shows
+    for k, ab in params["layers"].items():  # B starts at 0: give it values, so the merge shows
         ab["lora_b"] = jax.random.normal(jax.random.PRNGKey(len(k)), ab["lora_b"].shape)
     merged = fn.policy(params, task.weights)
+    params = params["layers"]  # qwen3's one stack of layers
     for k, x in task.weights["layers"].items():
         if k not in params:
             np.testing.assert_array_equal(merged["layers"][k], x)
@@ -557,7 +559,7 @@ def test_lora_train_step_and_sampler_merge_with_the_same_alpha_over_rank():
     task = tasks.sequence_task(0, 8, 8)
     fn = train.build(args, task.cfg, task.eos)
     params = lora.init(task.weights, 2, jax.random.PRNGKey(0), train.INPUT_AXES)
-    for k, ab in params.items():  # B starts at 0: give it values, so that the merge shows
+    for k, ab in params["layers"].items():  # B starts at 0: give it values, so the merge shows
         ab["lora_b"] = 0.1 * jax.random.normal(jax.random.PRNGKey(len(k)), ab["lora_b"].shape)
     merged = fn.policy(params, task.weights)
     sampler = train.make_sampler(

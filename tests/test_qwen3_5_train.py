@@ -1,0 +1,183 @@
+"""train.py on Qwen3.5: a GRPO run of a tiny checkpoint with LoRA on every projection of both kinds
+of layer, saved where transformers reads it; the sampler's log q against the trainer's log p with a
+float32 DeltaNet state, and the mismatch a bf16 or fp16 state makes; the group prefill; W8A8 on
+every matmul weight; the chat turn's end as eos; --plan and lab.bench on Qwen3.5-0.8B's config.
+B batch rows, T0 prompt length, M completion length, V vocab, k the sampler's top-k head size."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qwen3_5
+import train
+from helpers import STOP, _prompts, arange_pos, tiny_argv, write_gsm8k, write_tiny_qwen3_5
+from lab import hf_checkpoint, models
+from test_qwen3_5 import ATOL, reference, torch_logits
+
+END_OF_TEXT, IM_END = 275, 277  # the tiny tokenizer's <|endoftext|> and <|im_end|>
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# train.main on the tiny GSM8K, rewarded by the share of a completion's tokens below 150 (a random
+# model earns no GSM8K reward, and a step with no advantage moves nothing)
+RUN = """import sys, numpy as np, train
+from lab import tasks
+load = tasks.gsm8k_task
+def below_150(tokens, mask, golds):
+    return ((np.asarray(tokens) < 150) & mask).sum(1) / np.maximum(mask.sum(1), 1)
+tasks.gsm8k_task = lambda *a, **k: load(*a, **k)._replace(reward=below_150)
+train.main(sys.argv[1:])"""
+
+
+@pytest.fixture(scope="module")
+def gsm35(tmp_path_factory):
+    """A tiny Qwen3.5 whose config.json names <|endoftext|> as its eos, as Qwen3.5-0.8B's does, and
+    no generation_config.json; beside a tiny GSM8K folder."""
+    root = tmp_path_factory.mktemp("gsm35")
+    path = write_tiny_qwen3_5(str(root / "ckpt"), eos_token_id=END_OF_TEXT)
+    os.remove(f"{path}/generation_config.json")
+    return path, write_gsm8k(root / "gsm8k")
+
+
+@pytest.fixture(scope="module")
+def tiny35(gsm35):
+    return hf_checkpoint.load(gsm35[0])
+
+
+def test_a_qwen3_5_reply_ends_at_the_chat_templates_end_of_turn(tiny35):
+    """config.json's eos is <|endoftext|>, which a chat reply never writes: the sampler also stops
+    at <|im_end|>, where the chat template ends a turn, as Qwen3's generation_config has it."""
+    assert json.load(open(f"{tiny35.path}/config.json"))["eos_token_id"] == END_OF_TEXT
+    assert set(tiny35.tokenizer.eos_ids) == {END_OF_TEXT, IM_END}
+    assert tiny35.tokenizer.chat("hi")[-2:] != [IM_END]  # the prompt opens the reply's turn
+
+
+def test_qwen3_5_grpo_with_lora_saves_what_transformers_reads_as_qwen3_5(tmp_path, gsm35, tiny35):
+    """Two GRPO steps of a tiny Qwen3.5 (the int8 W8A8 sampler, an int8 KV cache, a bf16 state),
+    LoRA on every projection of both kinds of layer: finite metrics, and the saved policy is what
+    transformers reads as a Qwen3_5ForCausalLM, whose logits are ours; only the adapted weights
+    moved (not the norms, the conv, A_log, dt_bias or the embedding)."""
+    flags = "--sampler int8 --kv-quant int8 --state-dtype bf16 --lora 4 --optimizer adamw --lr 0.05"
+    out, saved = tmp_path / "run", tmp_path / "saved"
+    argv = tiny_argv(gsm35, *flags.split(), "--out", str(out), "--save", str(saved))
+    # one CPU device, in a process of its own: on several, the linear attention's backward pass
+    # deadlocks in XLA's CPU runtime (jax 0.10.2), which a GPU's single device never meets
+    env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"].replace("count=4", "count=1"))
+    subprocess.run([sys.executable, "-c", RUN, *argv], env=env, check=True, cwd=ROOT, timeout=300)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[:2]:
+        assert all(np.isfinite(r[k]) for k in ("loss", "grad_norm", "kl_q_p", "entropy")), r
+    m = hf_checkpoint.load(str(saved))
+    base = jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny35.weights)
+    moved = {
+        (stack, name)
+        for stack in ("linear", "full")
+        for name, x in m.weights[stack].items()
+        if not np.array_equal(x, base[stack][name])
+    }
+    adapted = dict(
+        linear={"qkv", "z", "b", "a", "out", "gate", "up", "down"},
+        full={"q", "k", "v", "o", "gate", "up", "down"},
+    )
+    assert moved == {(stack, name) for stack, names in adapted.items() for name in names}
+    assert all(np.array_equal(m.weights[k], base[k]) for k in ("embed", "norm", "lm_head"))
+    tokens = np.random.default_rng(0).integers(0, 300, (2, 12))
+    hf = reference(str(saved))
+    assert type(hf).__name__ == "Qwen3_5ForCausalLM"
+    ours = qwen3_5.forward(m.cfg, m.weights, jnp.array(tokens), arange_pos(2, 12))[0]
+    np.testing.assert_allclose(torch_logits(hf, tokens), ours, atol=ATOL)
+
+
+def exact_kl(out, logp):  # KL(q || p) at each recorded position [B, M]: topk 0 records all of q
+    q = jnp.exp(out["head_logq"])
+    return jnp.where(out["mask"], (q * (out["head_logq"] - logp)).sum(-1), 0)
+
+
+def test_a_float32_state_samples_the_trainers_p_and_a_bf16_or_fp16_state_does_not(tiny35):
+    """A float32 sampler that decodes with the recurrent delta rule records log q equal to the log p
+    of the trainer's chunked pass on the same tokens; held at bf16 or fp16 (--state-dtype), the
+    state makes q differ from p: KL(q || p), which kl_q_p estimates, grows from rounding's."""
+    prompt, pos = _prompts(tiny35.tokenizer, 4)
+    logp_of = jax.jit(lambda b: jax.nn.log_softmax(train.completion_logits(tiny35.cfg, **b)))
+    kl = {}
+    for state in ("float32", "bf16", "fp16"):
+        numerics = dict(dtype=jnp.float32, kv_quant=None)
+        numerics |= dict(state_dtype=train.STATE_DTYPES[state]) if state != "float32" else {}
+        sample = train.make_sampler(tiny35.cfg, 24, 0, (), numerics)  # no eos: 24 tokens a row
+        out = sample(tiny35.weights, prompt, pos, jax.random.PRNGKey(0))
+        b = dict(w=tiny35.weights, prompt=prompt, pos=pos, tokens=out["tokens"])
+        logp = logp_of(b)
+        logp_y = jnp.take_along_axis(logp, out["tokens"][..., None], -1)[..., 0]
+        gap = float(jnp.where(out["mask"], jnp.abs(logp_y - out["logq"]), 0).max())
+        kl[state] = float(exact_kl(out, logp).sum() / out["mask"].sum())
+        if state == "float32":  # measured 9e-6
+            assert gap <= 5e-5, gap
+    # measured: float32 4e-11, bf16 6e-7, fp16 2e-8 (a token mean of KL at each position)
+    assert abs(kl["float32"]) < 1e-9 and kl["bf16"] > 1e-7 and kl["fp16"] > 4e-9, kl
+
+
+def test_qwen3_5_group_prefilled_once_samples_as_rows_prefilled_each(tiny35):
+    """group=4: each prompt's conv window, state, K and V are prefilled once and copied to its 4
+    rows, which sample and record what rows prefilled one by one do (bf16; int8 W8A8 with an int4
+    KV cache and a bf16 state)."""
+    prompt, pos = (np.repeat(x, 4, 0) for x in _prompts(tiny35.tokenizer, 2))  # [8, T0]
+    for kind, kv, state in (("bf16", None, None), ("int8", "int4", jnp.bfloat16)):
+        numerics = dict(mm=train.quant_mm(kind), kv_quant=train.kv_quant(kv))
+        numerics |= dict(state_dtype=state) if state else {}
+        w = train.sampler_weights(tiny35.weights, kind)
+        one, grouped = (
+            train.make_sampler(tiny35.cfg, 12, 8, STOP, numerics, group=g)(
+                w, prompt, pos, jax.random.PRNGKey(1)
+            )
+            for g in (1, 4)
+        )
+        for name in one:
+            np.testing.assert_allclose(grouped[name], one[name], atol=1e-5, err_msg=name)
+        tokens = np.asarray(one["tokens"]).reshape(2, 4, -1)
+        assert all(len({tuple(r) for r in copies}) > 1 for copies in tokens)  # rows of their own
+
+
+def test_w8a8_quantises_every_matmul_weight_of_both_kinds_of_layer(tiny35):
+    """INPUT_AXES names every weight qwen3_5.forward's matmuls take, with the axes they contract;
+    --sampler int8 rounds each of them to at most 255 levels an output channel, and nothing else."""
+    contracted = {}
+
+    def spy(spec, x, w):
+        w_sub, out = spec.split(",")[1].split("->")
+        contracted[w.shape] = tuple(i for i, c in enumerate(w_sub) if c not in out)
+        return jnp.einsum(spec, x, w)
+
+    w = tiny35.weights
+    jax.eval_shape(
+        lambda w: qwen3_5.forward(tiny35.cfg, w, jnp.zeros((1, 3), int), arange_pos(1, 3), mm=spy),
+        w,
+    )
+    matmuls = {("top", "lm_head")}
+    for stack in ("linear", "full"):
+        for name, x in w[stack].items():
+            if x.shape[1:] in contracted:
+                assert contracted[x.shape[1:]] == tuple(a - 1 for a in models.INPUT_AXES[name])
+                matmuls.add((stack, name))
+    assert len(matmuls) == 1 + 8 + 7  # the head, the linear and the full attention's layers
+    q = train.sampler_weights(w, "int8")
+    for stack in ("linear", "full"):
+        for name, x in w[stack].items():
+            x, y = np.asarray(x, np.float32), np.asarray(q[stack][name], np.float32)
+            if (stack, name) not in matmuls:  # a norm, the conv, A_log, dt_bias: bf16 alone
+                np.testing.assert_array_equal(y, x.astype(jnp.bfloat16).astype(np.float32))
+                continue
+            axes = models.INPUT_AXES[name]  # a scale an output channel; y: k s to bf16, k an int8
+            s = np.abs(x).max(axis=axes, keepdims=True) / np.float32(127)
+            k = np.round(y / s)
+            assert np.abs(k).max() <= 127 and not np.array_equal(y, x), (stack, name)
+            assert (np.abs(y - k * s) <= 2.0**-8 * np.abs(k * s) * (1 + 1e-6)).all(), (stack, name)
+
+
+def test_state_dtype_is_refused_for_a_dense_model():
+    with pytest.raises(SystemExit, match="--state-dtype bf16: the sequence task has no recurrent"):
+        train.main("--task sequence --state-dtype bf16".split())
