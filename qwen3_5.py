@@ -47,6 +47,17 @@ def recurrent_delta_rule(q, k, v, g, beta, M, state_dtype):
     return jnp.einsum("bue,buey->buy", q, M), M.astype(state_dtype).astype(F32)
 
 
+def unit_lower_solve(A, x):
+    """(I + A)^-1 x for A strictly lower triangular [..., S, S]: forward substitution, a row a step
+    (LAPACK's triangular solve is not used: its backward pass hangs XLA's CPU runtime on several
+    devices)."""
+
+    def row(i, x):  # x_i <- x_i - Σ_s<i A[i, s] x_s, the rows before i already solved
+        return x.at[..., i, :].add(-jnp.einsum("...s,...sy->...y", A[..., i, :], x))
+
+    return jax.lax.fori_loop(0, A.shape[-1], row, x)
+
+
 def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
     """The same over T tokens (a T axis after B), 64 a chunk: within a chunk solved at once (a
     triangular system, then matmuls), the state passed on between chunks, rounded to state_dtype."""
@@ -65,9 +76,8 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
     # within chunks: from a chunk's starting state M, the writes u = beta (v - M^T k) solve
     # (I + A) u = beta v - beta exp(gam) M^T k, A[t, s] = beta_t k_t·k_s decay[t, s] for s < t
     A = jnp.tril(jnp.einsum("nbute,nbuse->nbuts", k, k) * decay, -1) * beta[..., None]
-    solve = partial(jax.scipy.linalg.solve_triangular, A, lower=True, unit_diagonal=True)
-    u_0 = solve(v * beta[..., None])  # the writes if M = 0
-    w = solve(k * (beta * jnp.exp(gam))[..., None])  # u = u_0 - w M
+    u_0 = unit_lower_solve(A, v * beta[..., None])  # the writes if M = 0
+    w = unit_lower_solve(A, k * (beta * jnp.exp(gam))[..., None])  # u = u_0 - w M
     attn = jnp.einsum("nbute,nbuse->nbuts", q, k) * decay
 
     def step(M, xs):  # across chunks: one chunk's writes and outputs, the state at its end

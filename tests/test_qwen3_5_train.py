@@ -6,8 +6,6 @@ B batch rows, T0 prompt length, M completion length, V vocab, k the sampler's to
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,20 +15,14 @@ import pytest
 import qwen3_5
 import train
 from helpers import STOP, _prompts, arange_pos, tiny_argv, write_gsm8k, write_tiny_qwen3_5
-from lab import hf_checkpoint, models
+from lab import hf_checkpoint, models, tasks
 from test_qwen3_5 import ATOL, reference, torch_logits
 
 END_OF_TEXT, IM_END = 275, 277  # the tiny tokenizer's <|endoftext|> and <|im_end|>
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# train.main on the tiny GSM8K, rewarded by the share of a completion's tokens below 150 (a random
-# model earns no GSM8K reward, and a step with no advantage moves nothing)
-RUN = """import sys, numpy as np, train
-from lab import tasks
-load = tasks.gsm8k_task
-def below_150(tokens, mask, golds):
+
+
+def below_150(tokens, mask, golds):  # a random model earns no GSM8K reward: the share below 150
     return ((np.asarray(tokens) < 150) & mask).sum(1) / np.maximum(mask.sum(1), 1)
-tasks.gsm8k_task = lambda *a, **k: load(*a, **k)._replace(reward=below_150)
-train.main(sys.argv[1:])"""
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +48,9 @@ def test_a_qwen3_5_reply_ends_at_the_chat_templates_end_of_turn(tiny35):
     assert tiny35.tokenizer.chat("hi")[-2:] != [IM_END]  # the prompt opens the reply's turn
 
 
-@pytest.mark.skip(reason="its train step deadlocks in XLA's CPU runtime now and then (issue 48)")
-def test_qwen3_5_grpo_with_lora_saves_what_transformers_reads_as_qwen3_5(tmp_path, gsm35, tiny35):
+def test_qwen3_5_grpo_with_lora_saves_what_transformers_reads_as_qwen3_5(
+    tmp_path, gsm35, tiny35, monkeypatch
+):
     """Two GRPO steps of a tiny Qwen3.5 (the int8 W8A8 sampler, an int8 KV cache, a bf16 state),
     LoRA on every projection of both kinds of layer: finite metrics, and the saved policy is what
     transformers reads as a Qwen3_5ForCausalLM, whose logits are ours; only the adapted weights
@@ -65,10 +58,11 @@ def test_qwen3_5_grpo_with_lora_saves_what_transformers_reads_as_qwen3_5(tmp_pat
     flags = "--sampler int8 --kv-quant int8 --state-dtype bf16 --lora 4 --optimizer adamw --lr 0.05"
     out, saved = tmp_path / "run", tmp_path / "saved"
     argv = tiny_argv(gsm35, *flags.split(), "--out", str(out), "--save", str(saved))
-    # one CPU device, in a process of its own: on several, the linear attention's backward pass
-    # deadlocks in XLA's CPU runtime (jax 0.10.2), which a GPU's single device never meets
-    env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"].replace("count=4", "count=1"))
-    subprocess.run([sys.executable, "-c", RUN, *argv], env=env, check=True, cwd=ROOT, timeout=300)
+    load = tasks.gsm8k_task  # rewarded by the share of a completion's tokens below 150
+    monkeypatch.setattr(
+        tasks, "gsm8k_task", lambda *a, **k: load(*a, **k)._replace(reward=below_150)
+    )
+    train.main(argv)
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[:2]:
@@ -102,24 +96,25 @@ def exact_kl(out, logp):  # KL(q || p) at each recorded position [B, M]: topk 0 
 def test_a_float32_state_samples_the_trainers_p_and_a_bf16_or_fp16_state_does_not(tiny35):
     """A float32 sampler that decodes with the recurrent delta rule records log q equal to the log p
     of the trainer's chunked pass on the same tokens; held at bf16 or fp16 (--state-dtype), the
-    state makes q differ from p: KL(q || p), which kl_q_p estimates, grows from rounding's."""
+    state makes q differ from p, by far more than rounding: the largest |log q(y) - log p(y)| over
+    64 tokens a row, and (bf16) KL(q || p), which kl_q_p estimates."""
     prompt, pos = _prompts(tiny35.tokenizer, 4)
     logp_of = jax.jit(lambda b: jax.nn.log_softmax(train.completion_logits(tiny35.cfg, **b)))
-    kl = {}
+    gap, kl = {}, {}
     for state in ("float32", "bf16", "fp16"):
         numerics = dict(dtype=jnp.float32, kv_quant=None)
         numerics |= dict(state_dtype=train.STATE_DTYPES[state]) if state != "float32" else {}
-        sample = train.make_sampler(tiny35.cfg, 24, 0, (), numerics)  # no eos: 24 tokens a row
+        sample = train.make_sampler(tiny35.cfg, 64, 0, (), numerics)  # no eos: 64 tokens a row
         out = sample(tiny35.weights, prompt, pos, jax.random.PRNGKey(0))
         b = dict(w=tiny35.weights, prompt=prompt, pos=pos, tokens=out["tokens"])
         logp = logp_of(b)
         logp_y = jnp.take_along_axis(logp, out["tokens"][..., None], -1)[..., 0]
-        gap = float(jnp.where(out["mask"], jnp.abs(logp_y - out["logq"]), 0).max())
+        gap[state] = float(jnp.where(out["mask"], jnp.abs(logp_y - out["logq"]), 0).max())
         kl[state] = float(exact_kl(out, logp).sum() / out["mask"].sum())
-        if state == "float32":  # measured 9e-6
-            assert gap <= 5e-5, gap
-    # measured: float32 4e-11, bf16 6e-7, fp16 2e-8 (a token mean of KL at each position)
-    assert abs(kl["float32"]) < 1e-9 and kl["bf16"] > 1e-7 and kl["fp16"] > 4e-9, kl
+    # measured: gaps 7e-6 (float32), 5e-3 (bf16), 8e-4 (fp16); KL at bf16 8e-7, the others at
+    # rounding's level (±1e-8, of either sign: a float32 sum over V of q (log q - log p))
+    assert gap["float32"] <= 5e-5 and gap["bf16"] > 1e-3 and gap["fp16"] > 1e-4, gap
+    assert kl["bf16"] > 1e-7, kl
 
 
 def test_qwen3_5_group_prefilled_once_samples_as_rows_prefilled_each(tiny35):
