@@ -119,23 +119,22 @@ def test_a_float32_state_samples_the_trainers_p_and_a_bf16_or_fp16_state_does_no
 
 def test_qwen3_5_group_prefilled_once_samples_as_rows_prefilled_each(tiny35):
     """group=4: each prompt's conv window, state, K and V are prefilled once and copied to its 4
-    rows, which sample and record what rows prefilled one by one do (bf16; int8 W8A8 with an int4
-    KV cache and a bf16 state)."""
+    rows, which sample and record what rows prefilled one by one do (int8 W8A8 with an int4 KV cache
+    and a bf16 state: every entry of the cache)."""
     prompt, pos = (np.repeat(x, 4, 0) for x in _prompts(tiny35.tokenizer, 2))  # [8, T0]
-    for kind, kv, state in (("bf16", None, None), ("int8", "int4", jnp.bfloat16)):
-        numerics = dict(mm=train.quant_mm(kind), kv_quant=train.kv_quant(kv))
-        numerics |= dict(state_dtype=state) if state else {}
-        w = train.sampler_weights(tiny35.weights, kind)
-        one, grouped = (
-            train.make_sampler(tiny35.cfg, 12, 8, STOP, numerics, group=g)(
-                w, prompt, pos, jax.random.PRNGKey(1)
-            )
-            for g in (1, 4)
+    numerics = dict(mm=train.quant_mm("int8"), kv_quant=train.kv_quant("int4"))
+    numerics["state_dtype"] = jnp.bfloat16
+    w = train.sampler_weights(tiny35.weights, "int8")
+    one, grouped = (
+        train.make_sampler(tiny35.cfg, 12, 8, STOP, numerics, group=g)(
+            w, prompt, pos, jax.random.PRNGKey(1)
         )
-        for name in one:
-            np.testing.assert_allclose(grouped[name], one[name], atol=1e-5, err_msg=name)
-        tokens = np.asarray(one["tokens"]).reshape(2, 4, -1)
-        assert all(len({tuple(r) for r in copies}) > 1 for copies in tokens)  # rows of their own
+        for g in (1, 4)
+    )
+    for name in one:
+        np.testing.assert_allclose(grouped[name], one[name], atol=1e-5, err_msg=name)
+    tokens = np.asarray(one["tokens"]).reshape(2, 4, -1)
+    assert all(len({tuple(r) for r in copies}) > 1 for copies in tokens)  # rows of their own
 
 
 def test_w8a8_quantises_every_matmul_weight_of_both_kinds_of_layer(tiny35):
