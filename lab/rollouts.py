@@ -42,7 +42,8 @@ def left_pad(prompts, pad_id, multiple=32):
 def generate(sampler, w, prompts, pad_id, key, data, n, say=None):
     """Every prompt through sampler(w, prompt, pos, key), n rows (one program) a call, each call's
     rows split over the devices (`data`). The last call is padded with copies of the first prompt,
-    cut from the result. Returns the sampler's record [B, M, ...] with prompt and pos [B, T0].
+    cut from the result. Returns the sampler's record [B, M, ...] with prompt and pos [B, T0], M
+    the longest completion rounded up to a multiple of 32 (at most the sampler's).
     say(text): told the prompts done after each call, when there are several."""
     pad = -len(prompts) % n
     prompt, pos = [np.concatenate([x, np.repeat(x[:1], pad, 0)]) for x in left_pad(prompts, pad_id)]
@@ -53,6 +54,10 @@ def generate(sampler, w, prompts, pad_id, key, data, n, say=None):
         if say and len(prompt) > n:
             say(f"  {min(i + n, len(prompts))} of {len(prompts)} prompts")
     out = {k: np.concatenate([o[k] for o in outs])[: len(prompts)] for k in outs[0]}
+    # cut after the longest completion, rounded up to a multiple of 32 (few shapes, few compiles):
+    # what is cut is masked, so the trainer and the drift meter compute the same on fewer tokens
+    M = max(-(-out["mask"].sum(1).max() // 32) * 32, 32)
+    out = {k: x[:, :M] for k, x in out.items()}
     return out | dict(prompt=prompt[: len(prompts)], pos=pos[: len(prompts)])
 
 

@@ -548,7 +548,7 @@ def test_a_run_says_what_it_does_before_its_first_step(tmp_path, gsm, capsys):
     data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
 
     def sampler(w, prompt, pos, key):
-        return dict(tokens=prompt)
+        return dict(tokens=prompt, mask=prompt > 0)
 
     n = len(jax.devices()) * 2
     key = jax.random.PRNGKey(0)

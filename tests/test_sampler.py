@@ -85,6 +85,24 @@ def test_mask_ends_at_the_first_eos(tiny):
     assert 0 < ended < 8  # rows that end and rows that run to the cap
 
 
+def test_generate_cuts_the_record_after_its_longest_completion_rounded_up_to_32():
+    """Completions of at most 5, 33 and 128 tokens from a sampler of M = 128: records of 32, 64
+    and 128 tokens, every masked-in token kept, the rest of each row as the sampler wrote it."""
+    for longest, M in [(5, 32), (33, 64), (128, 128)]:
+        lengths = np.array([3, longest, 0, 1])
+
+        def sampler(w, prompt, pos, key, lengths=lengths):  # a record of 128 tokens a row
+            mask = np.arange(128)[None, :] < lengths[:, None]
+            tokens = np.arange(4 * 128).reshape(4, 128)
+            return dict(tokens=tokens, mask=mask, head_logq=np.ones((4, 128, 3)))
+
+        key, data = jax.random.PRNGKey(0), jax.devices()[0]
+        out = rollouts.generate(sampler, None, [[1, 2]] * 4, 0, key, data, 4)
+        assert out["tokens"].shape == out["mask"].shape == (4, M) and out["head_logq"].shape[1] == M
+        assert out["mask"].sum(1).tolist() == lengths.tolist()
+        assert out["tokens"].tolist() == np.arange(4 * 128).reshape(4, 128)[:, :M].tolist()
+
+
 def test_left_pad_rounds_short_prompts_to_a_power_of_two_then_to_multiples():
     """T0: 3 -> 4, 8 -> 8, 9 -> 16, 32 -> 32, 33 -> 64, 100 -> 128 (multiple 32); each prompt at
     the right, its positions 0.. and the padding's -1."""

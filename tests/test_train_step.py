@@ -307,6 +307,38 @@ def test_micro_batches_give_the_full_batch_token_mean(tiny):
         np.testing.assert_allclose(res[0][2][k], res[1][2][k], rtol=1e-5, atol=1e-5, err_msg=k)
 
 
+def test_masked_tokens_past_the_longest_completion_change_no_step(tiny):
+    """A record with 22 more tokens a row, masked, holding random tokens and log q: the same step as
+    the record alone (what lets rollouts.generate cut a record after its longest completion)."""
+    prompt, pos = _prompts(tiny.tokenizer, 8)
+    out = train.make_sampler(tiny.cfg, 10, 4, STOP)(
+        train.sampler_weights(tiny.weights, "bf16"), prompt, pos, jax.random.PRNGKey(1)
+    )
+    batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 8))
+    rng = np.random.default_rng(0)
+
+    def more(x):  # 22 more columns of random values of x's kind, masked off
+        extra = rng.integers(0, 50, (8, 22, *x.shape[2:])) if x.dtype == jnp.int32 else None
+        extra = -rng.exponential(1.0, (8, 22, *x.shape[2:])) if extra is None else extra
+        return jnp.concatenate([x, jnp.asarray(extra, x.dtype)], 1)
+
+    longer = dict(batch, **{k: more(batch[k]) for k in ("tokens", "logq", "head_logq", "head_ids")})
+    longer["mask"] = jnp.concatenate([batch["mask"], jnp.zeros((8, 22), bool)], 1)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    res = [
+        train.make_train_step(tiny.cfg, optax.sgd(1.0), 4, mesh, center=True)(
+            jax.tree.map(jnp.copy, tiny.weights), optax.sgd(1.0).init(tiny.weights), b
+        )
+        for b in (batch, longer)
+    ]
+    # tolerances as in the micro-batch test below (the record's length changes the matmuls' shapes
+    # and so their reduction order, nothing more)
+    for a, b in zip(jax.tree.leaves(res[0][0]), jax.tree.leaves(res[1][0]), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+    for k in res[0][2]:
+        np.testing.assert_allclose(res[0][2][k], res[1][2][k], rtol=1e-5, atol=1e-5, err_msg=k)
+
+
 def test_group_advantages():
     r = np.array([1.0, 0, 0, 1, 1, 1])
     np.testing.assert_allclose(train.advantage(r, 3, "group"), [2 / 3, -1 / 3, -1 / 3, 0, 0, 0])
