@@ -48,9 +48,8 @@ def recurrent_delta_rule(q, k, v, g, beta, M, state_dtype):
 
 
 def unit_lower_solve(A, x):
-    """(I + A)^-1 x for A strictly lower triangular [..., S, S]: forward substitution, a row a step
-    (LAPACK's triangular solve is not used: its backward pass hangs XLA's CPU runtime on several
-    devices)."""
+    """(I + A)^-1 x for A strictly lower triangular [..., S, S], by forward substitution a row a
+    step: LAPACK's triangular solve's backward pass hangs XLA's CPU runtime on several devices."""
 
     def row(i, x):  # x_i <- x_i - Σ_s<i A[i, s] x_s, the rows before i already solved
         return x.at[..., i, :].add(-jnp.einsum("...s,...sy->...y", A[..., i, :], x))
@@ -69,12 +68,10 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
         return jnp.moveaxis(a.reshape(B, n, size, *a.shape[2:]), (1, 3), (0, 2))
 
     q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
-    # decays: exp(gam) from the chunk's start to token t, decay[t, s] from token s to t, s <= t
-    # (above the diagonal the exponent is clipped at 0, so exp stays finite, then masked)
+    # decays: exp(gam) from the chunk's start to t, decay[t, s] from s to t (finite above s = t)
     gam = jnp.cumsum(g, axis=-1)  # [n, B, U, size]
     decay = jnp.tril(jnp.exp(jnp.minimum(gam[..., :, None] - gam[..., None, :], 0)))
-    # within chunks: from a chunk's starting state M, the writes u = beta (v - M^T k) solve
-    # (I + A) u = beta v - beta exp(gam) M^T k, A[t, s] = beta_t k_t·k_s decay[t, s] for s < t
+    # within chunks: the writes u solve (I + A) u = beta (v - exp(gam) M^T k), M the chunk's start
     A = jnp.tril(jnp.einsum("nbute,nbuse->nbuts", k, k) * decay, -1) * beta[..., None]
     u_0 = unit_lower_solve(A, v * beta[..., None])  # the writes if M = 0
     w = unit_lower_solve(A, k * (beta * jnp.exp(gam))[..., None])  # u = u_0 - w M
@@ -107,8 +104,7 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype):
     a = mm("btd,du->btu", h, lw["a"]).astype(F32) + lw["dt_bias"][None, None]
     g = jnp.where(real, -jnp.exp(lw["A_log"].astype(F32))[None, None] * jax.nn.softplus(a), 0)
 
-    # causal conv: depthwise over the previous inputs and this call's, then SiLU; q and k
-    # L2-normalised in float32, each key head serving U / J value heads
+    # causal conv: depthwise over the cached inputs and this call's, SiLU; q, k L2-normed in float32
     width = lw["conv"].shape[0]
     window = jnp.zeros((B, width - 1, qkv.shape[-1])) if kv is None else kv["conv"][i]
     window = jnp.concatenate([window.astype(h.dtype), qkv], axis=1)  # [B, width - 1 + T, C]
@@ -164,11 +160,10 @@ def forward(
     kv_quant=None,
     state_dtype=F32,
 ):
-    """Logits float32 [B, T, V] (or [B, last, V] for the last `last` positions) and the updated kv,
-    as qwen3.forward (pos < 0: left padding; with kv, full attention writes this call's keys and
-    values, as kv_quant(a) if given, at slots [start, start + T) and attends over the cache); linear
-    attention continues from the cache's conv inputs and state and leaves the new ones there.
-    state_dtype: the precision the state is held at. A weight matmul: mm(spec, activation, w)."""
+    """Logits float32 [B, T, V] (or [B, last, V]) and the updated kv, as qwen3.forward: pos < 0 is
+    padding; with kv, full attention writes this call's keys and values (as kv_quant(a) if given)
+    at slots [start, start + T), linear attention continues from the cache's conv inputs and state.
+    state_dtype: the state's precision. A weight matmul: mm(spec, activation, w)."""
     eps, H = cfg["rms_norm_eps"], cfg["head_dim"]
     base = cfg["rope_parameters"]["rope_theta"]
     rotary = int(H * cfg["rope_parameters"]["partial_rotary_factor"])
@@ -220,52 +215,3 @@ def forward(
     x = rms_norm(x if last is None else x[:, -last:], w["norm"], eps)
     head = w["embed"] if cfg.get("tie_word_embeddings") else w["lm_head"]  # [V, D]
     return mm("btd,vd->btv", x, head.astype(dtype)).astype(F32), kv
-
-
-def layout(cfg):
-    """The weights, {our name: (Hugging Face name, its shape, our shape)}: the top-level ones, and
-    per stack (its layers' indices, one layer's weights, "{}" the index in a name). A torch Linear
-    [out, in] is ours [in, out], heads split out; the conv's [C, 1, kernel] is ours [kernel, C]."""
-    D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    N, K, H = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
-    U, Y = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
-    C, kernel = 2 * J * E + U * Y, cfg["linear_conv_kernel_dim"]
-    top = dict(
-        embed=("model.embed_tokens.weight", (V, D), (V, D)),
-        norm=("model.norm.weight", (D,), (D,)),
-    )
-    if not cfg.get("tie_word_embeddings"):
-        top["lm_head"] = ("lm_head.weight", (V, D), (V, D))
-    linear = dict(
-        qkv=("linear_attn.in_proj_qkv.weight", (C, D), (D, C)),  # q, k, v: J·E, J·E, U·Y
-        conv=("linear_attn.conv1d.weight", (C, 1, kernel), (kernel, C)),
-        z=("linear_attn.in_proj_z.weight", (U * Y, D), (D, U, Y)),
-        b=("linear_attn.in_proj_b.weight", (U, D), (D, U)),
-        a=("linear_attn.in_proj_a.weight", (U, D), (D, U)),
-        A_log=("linear_attn.A_log", (U,), (U,)),
-        dt_bias=("linear_attn.dt_bias", (U,), (U,)),
-        norm=("linear_attn.norm.weight", (Y,), (Y,)),
-        out=("linear_attn.out_proj.weight", (D, U * Y), (U, Y, D)),
-    )
-    full = dict(
-        q=("self_attn.q_proj.weight", (N * 2 * H, D), (D, N, 2 * H)),  # a head's query, its gate
-        q_norm=("self_attn.q_norm.weight", (H,), (H,)),
-        k=("self_attn.k_proj.weight", (K * H, D), (D, K, H)),
-        k_norm=("self_attn.k_norm.weight", (H,), (H,)),
-        v=("self_attn.v_proj.weight", (K * H, D), (D, K, H)),
-        o=("self_attn.o_proj.weight", (D, N * H), (N, H, D)),
-    )
-    both = dict(
-        attn_norm=("input_layernorm.weight", (D,), (D,)),
-        mlp_norm=("post_attention_layernorm.weight", (D,), (D,)),
-        gate=("mlp.gate_proj.weight", (F, D), (D, F)),
-        up=("mlp.up_proj.weight", (F, D), (D, F)),
-        down=("mlp.down_proj.weight", (D, F), (F, D)),
-    )
-    stacks = {}
-    for name, mixer in (("linear", linear), ("full", full)):
-        ids = [i for i, t in enumerate(cfg["layer_types"]) if t == f"{name}_attention"]
-        layer = {k: ("model.layers.{}." + hf, *s) for k, (hf, *s) in (mixer | both).items()}
-        stacks[name] = ids, layer
-    return top, stacks

@@ -1,6 +1,6 @@
 """The machinery train.py's runs stand on; the ideas are in the files above this folder.
 
-models         the model file a config.json names; its stacks of layer weights, matmuls' input axes
+models         the model file a config.json names; weight stacks, Qwen3.5's layout, input axes
 hf_checkpoint  Hugging Face checkpoints: safetensors, config.json, the tokenizer; load and save
 tokenizer      byte-level BPE through tiktoken, and the checkpoint's own chat template
 gguf           python -m lab.gguf FILE OUT: a GGUF file as a checkpoint folder

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-import qwen3_5
 from lab.models import layout, shapes
 from lab.tokenizer import load_tokenizer, read_json
 
@@ -115,7 +114,7 @@ def qwen3_5_config(cfg):
 
 def qwen3_5_problems(c):  # in words; mrope_* pass: text's 3 position rows are equal, M-RoPE is RoPE
     try:
-        qwen3_5.layout(c)  # the sizes it reads: the linear attention's
+        layout(c)  # the sizes it reads: the linear attention's
     except KeyError as e:
         return [f"{e.args[0]} is missing"]
     problems, kinds = [], sorted(set(c["layer_types"]))

@@ -1,6 +1,7 @@
 """The model file a config.json names, chosen once here: qwen3.py runs Qwen3 and Llama, qwen3_5.py
 Qwen3.5. Both have the same forward contract and an init_kv; their layer weights come in stacks,
-one a kind of layer, each [L, ...] (L its layers): qwen3's "layers", qwen3_5's "linear", "full"."""
+one a kind of layer, each [L, ...] (L its layers): qwen3's "layers", qwen3_5's "linear", "full".
+Qwen3.5's weight layout is here, beside the dispatch (qwen3.py keeps its own, qwen3.layout)."""
 
 import jax
 import jax.numpy as jnp
@@ -19,15 +20,65 @@ INPUT_AXES |= dict(embed=(1,), lm_head=(1,))
 INPUT_AXES |= dict(qkv=(1,), z=(1,), b=(1,), a=(1,), out=(1, 2))  # Qwen3.5's linear attention
 
 
-def model(cfg):  # the model file that runs cfg: its forward, init_kv and layout
+def model(cfg):  # the model file that runs cfg: its forward and init_kv
     return FILES[cfg["model_type"]]
 
 
+def qwen3_5_layout(cfg):
+    """Qwen3.5's weights, {our name: (Hugging Face name, its shape, our shape)}: the top-level ones,
+    and per stack (its layers' indices, one layer's weights, "{}" the index in a name). A torch
+    Linear [out, in] is ours [in, out], heads split out; the conv's [C, 1, kernel] is ours [kernel,
+    C]. The shape letters are qwen3_5.py's (its docstring)."""
+    D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    N, K, H = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    U, Y = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
+    C, kernel = 2 * J * E + U * Y, cfg["linear_conv_kernel_dim"]
+    top = dict(
+        embed=("model.embed_tokens.weight", (V, D), (V, D)),
+        norm=("model.norm.weight", (D,), (D,)),
+    )
+    if not cfg.get("tie_word_embeddings"):
+        top["lm_head"] = ("lm_head.weight", (V, D), (V, D))
+    linear = dict(
+        qkv=("linear_attn.in_proj_qkv.weight", (C, D), (D, C)),  # q, k, v: J·E, J·E, U·Y
+        conv=("linear_attn.conv1d.weight", (C, 1, kernel), (kernel, C)),
+        z=("linear_attn.in_proj_z.weight", (U * Y, D), (D, U, Y)),
+        b=("linear_attn.in_proj_b.weight", (U, D), (D, U)),
+        a=("linear_attn.in_proj_a.weight", (U, D), (D, U)),
+        A_log=("linear_attn.A_log", (U,), (U,)),
+        dt_bias=("linear_attn.dt_bias", (U,), (U,)),
+        norm=("linear_attn.norm.weight", (Y,), (Y,)),
+        out=("linear_attn.out_proj.weight", (D, U * Y), (U, Y, D)),
+    )
+    full = dict(
+        q=("self_attn.q_proj.weight", (N * 2 * H, D), (D, N, 2 * H)),  # a head's query, its gate
+        q_norm=("self_attn.q_norm.weight", (H,), (H,)),
+        k=("self_attn.k_proj.weight", (K * H, D), (D, K, H)),
+        k_norm=("self_attn.k_norm.weight", (H,), (H,)),
+        v=("self_attn.v_proj.weight", (K * H, D), (D, K, H)),
+        o=("self_attn.o_proj.weight", (D, N * H), (N, H, D)),
+    )
+    both = dict(
+        attn_norm=("input_layernorm.weight", (D,), (D,)),
+        mlp_norm=("post_attention_layernorm.weight", (D,), (D,)),
+        gate=("mlp.gate_proj.weight", (F, D), (D, F)),
+        up=("mlp.up_proj.weight", (F, D), (D, F)),
+        down=("mlp.down_proj.weight", (D, F), (F, D)),
+    )
+    stacks = {}
+    for name, mixer in (("linear", linear), ("full", full)):
+        ids = [i for i, t in enumerate(cfg["layer_types"]) if t == f"{name}_attention"]
+        layer = {k: ("model.layers.{}." + hf, *s) for k, (hf, *s) in (mixer | both).items()}
+        stacks[name] = ids, layer
+    return top, stacks
+
+
 def layout(cfg):
-    """The weights as qwen3_5.layout gives them: the top-level ones, and per stack (its layers'
+    """The weights as qwen3_5_layout gives them: the top-level ones, and per stack (its layers'
     indices, one layer's weights); qwen3.py's every layer in one stack, "layers"."""
     if model(cfg) is qwen3_5:
-        return qwen3_5.layout(cfg)
+        return qwen3_5_layout(cfg)
     top, layers = qwen3.layout(cfg)
     return top, {"layers": (range(cfg["num_hidden_layers"]), layers)}
 

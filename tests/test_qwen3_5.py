@@ -15,7 +15,7 @@ import pytest
 
 import qwen3_5
 from helpers import QWEN3_5_LAYERS, arange_pos, write_tiny_qwen3_5
-from lab import hf_checkpoint
+from lab import hf_checkpoint, models
 
 # measured on 6 tiny checkpoints x 3 inputs (logits |z| <= 15; 1 and 2 threads, the suite's and
 # XLA's default flags): ours and transformers' float32 logits <= 9.3e-5 apart (T = 70, two chunks
@@ -318,7 +318,7 @@ def test_qwen3_5_0_8b_config_is_accepted_and_its_layout_counts_its_parameters(tm
     cfg, _ = hf_checkpoint.config(tmp_path)
     assert cfg["model_type"] == "qwen3_5_text" and cfg["architectures"] == ["Qwen3_5ForCausalLM"]
     assert cfg["tie_word_embeddings"] and cfg["rope_parameters"]["rope_theta"] == 1e7
-    top, stacks = qwen3_5.layout(cfg)
+    top, stacks = models.qwen3_5_layout(cfg)
     assert stacks["full"][0] == [3, 7, 11, 15, 19, 23] and len(stacks["linear"][0]) == 18
     names = {hf: s for hf, s, _ in top.values()}
     names |= {hf.format(i): s for ids, w in stacks.values() for hf, s, _ in w.values() for i in ids}
