@@ -22,7 +22,7 @@ from lab import devices, hf_checkpoint, tasks
 
 SEEDED = {"model": "it builds its model from --seed", "data_dir": "it has no data files"}
 MADE = {"data_dir": "it makes its problems"}
-NOT_USED = dict(gsm8k={}, arithmetic=MADE, sequence=SEEDED, chain=SEEDED)  # a task's: refused
+NOT_USED = dict(gsm8k={}, arithmetic=MADE) | dict.fromkeys(tasks.TINY, SEEDED)  # a task's: refused
 OPTIMIZERS = ["sgd", "adam", "adamw"]  # optax's, at a constant learning rate
 W8 = ["int8", "fp8"]  # the 8-bit kinds of numerics a sampler (or its KV cache) may use
 KV = [*W8, "int4"]  # the kinds a quantised KV cache may hold
@@ -73,7 +73,7 @@ def declare(p, defaults=True):  # defaults=False: none, to see which flags were 
         kw = kw if defaults else dict(kw, default=argparse.SUPPRESS)
         group.add_argument(name, help=help + shown, **kw)
 
-    a("--task", "gsm8k, arithmetic; sequence, chain: tiny", choices=tasks.RECIPE, default="gsm8k")
+    a("--task", "gsm8k, arithmetic; the others: tiny", choices=tasks.RECIPE, default="gsm8k")
     a("--center", "score centering: subtract the sampler-expected score", **switch)
     a("--compare", "centring off, then on, from the same start; one table", **switch)
     a("--seeds", "with --compare: the seeds to run, e.g. 0,1", type=csv(int))

@@ -4,6 +4,7 @@ step's drift term against its signal, its greedy GSM8K accuracy.
     python -m lab.measure mismatch --model smollm2 --data-dir ../shared/gsm8k
     python -m lab.measure drift --model smollm2 --max-tokens 128  # on lab/problems.py's arithmetic
     python -m lab.measure drift --task chain --max-tokens 64   # the chain task, its levels
+    python -m lab.measure drift --task chain-hybrid --max-tokens 64 --state-dtype fp16
     python -m lab.measure accuracy --model smollm2 --data-dir ../shared/gsm8k --n 500
 
 Each result is a JSON line in OUT/WHAT.jsonl, written as it is made; a rerun skips the results
@@ -39,9 +40,12 @@ def append(file, result):  # one line, flushed: a stopped run loses nothing it h
         f.write(json.dumps(result) + "\n")
 
 
-def level_numerics(train, level):  # harness.levels' (kind, σ, kv) -> make_sampler's numerics
+def level_numerics(train, level, state=None):  # harness.levels' (kind, σ, kv) -> make_sampler's
     kind, _, kv = level
-    return dict(mm=train.quant_mm(kind), kv_quant=train.kv_quant(kv))
+    numerics = dict(mm=train.quant_mm(kind), kv_quant=train.kv_quant(kv))
+    if state:  # Qwen3.5's recurrent state at bf16 or fp16 (--state-dtype)
+        numerics["state_dtype"] = train.STATE_DTYPES[state]
+    return numerics
 
 
 def trainer_logp(
@@ -62,7 +66,7 @@ def mismatch(train, args, task, level, seed):
     kind, sigma, _ = level
     key = jax.random.key(seed)
     sampler = train.make_sampler(
-        task.cfg, args.max_tokens, 128, task.eos, level_numerics(train, level)
+        task.cfg, args.max_tokens, 128, task.eos, level_numerics(train, level, args.state_dtype)
     )
     w_q = train.sampler_weights(task.weights, kind, sigma, jax.random.fold_in(key, 1))
     prompts = [p for p, _ in task.test[: args.rows]]
@@ -112,7 +116,7 @@ def drift(train, args, task, level, seed):
     kind, sigma, _ = level
     key = jax.random.key(seed)
     sampler = train.make_sampler(
-        task.cfg, args.max_tokens, 0, task.eos, level_numerics(train, level)
+        task.cfg, args.max_tokens, 0, task.eos, level_numerics(train, level, args.state_dtype)
     )
     w_q = train.sampler_weights(task.weights, kind, sigma, jax.random.fold_in(key, 1))
     rng = np.random.default_rng(seed)
@@ -163,10 +167,11 @@ COLUMNS = dict(
 def parse(argv=None):
     p = argparse.ArgumentParser(prog="python -m lab.measure", description=__doc__.split("\n")[0])
     p.add_argument("what", choices=MEASURES)
-    p.add_argument("--task", choices=["gsm8k", "chain"], default="gsm8k")
+    p.add_argument("--task", choices=["gsm8k", *tasks.TINY], default="gsm8k")
     p.add_argument("--model", help="a checkpoint folder (gsm8k)")
     p.add_argument("--data-dir", help="GSM8K's jsonl folder (mismatch, accuracy)")
     p.add_argument("--levels", help="harness.levels' spelling (default: per measure)")
+    p.add_argument("--state-dtype", choices=["bf16", "fp16"], help="Qwen3.5's state (chain-hybrid)")
     p.add_argument("--seeds", type=harness.csv(int), default=(0, 1))
     p.add_argument("--rows", type=int, default=64, help="sampler rows a call (mismatch: in all)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -178,8 +183,10 @@ def parse(argv=None):
     args = p.parse_args(argv)
     if args.task == "gsm8k" and not args.model:
         p.error("--model is required on gsm8k (a checkpoint folder: python -m lab.gguf FILE OUT)")
-    if args.task == "chain" and args.what != "drift":
-        p.error(f"{args.what} measures GSM8K text: --task chain takes drift only")
+    if args.task != "gsm8k" and args.what != "drift":
+        p.error(f"{args.what} measures GSM8K text: --task {args.task} takes drift only")
+    if args.state_dtype and args.task != "chain-hybrid":
+        p.error(f"--state-dtype {args.state_dtype}: only chain-hybrid's Qwen3.5 has a state")
     if args.what != "drift" and not args.data_dir:
         p.error(f"{args.what} reads GSM8K's test split: give --data-dir")
     default = dict(mismatch=MISMATCH_LEVELS, drift=DRIFT_LEVELS, accuracy="0")[args.what]
@@ -190,8 +197,8 @@ def parse(argv=None):
 
 
 def load_task(args):  # one line for a bad checkpoint or data folder, as train.py's
-    if args.task == "chain":
-        return tasks.chain_task(0, 0, 0)
+    if args.task in tasks.TINY:
+        return tasks.TINY[args.task](0, 0, 0)
     # drift: groups of mixed reward, on problems the model solves part of the time
     made = problems.arithmetic() if args.what == "drift" else problems.gsm8k(args.data_dir)
     try:
@@ -206,7 +213,8 @@ def main(argv, train):
     task = load_task(args)
     args.data = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
     os.makedirs(args.out, exist_ok=True)
-    file = f"{args.out}/{args.what}-{args.task}.jsonl"
+    state = f"-state_{args.state_dtype}" if args.state_dtype else ""
+    file = f"{args.out}/{args.what}-{args.task}{state}.jsonl"
     done = results(file)
     for text, level in zip(args.levels.split(","), harness.levels(args.levels), strict=True):
         for seed in args.seeds:

@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import qwen3
 import train
-from lab import compare, harness, tasks
+from lab import compare, harness, models, tasks
 
 
 def brute_force_good(task, seq, T0):
@@ -21,19 +20,22 @@ def brute_force_good(task, seq, T0):
     for t in range(T0, seq.shape[1]):
         pos = np.broadcast_to(np.arange(t), (seq.shape[0], t))
         with jax.default_matmul_precision("highest"):
-            logits = np.asarray(qwen3.forward(task.cfg, task.weights, seq[:, :t], pos, last=1)[0])
+            fwd = models.model(task.cfg).forward
+            logits = np.asarray(fwd(task.cfg, task.weights, seq[:, :t], pos, last=1)[0])
         chosen = logits[np.arange(len(seq)), 0, seq[:, t]]
         rank = (logits[:, 0] > chosen[:, None]).sum(-1)
         good.append((seq[:, t] < task.cfg["vocab_size"] // 2) & (rank < tasks.TEACHER_TOP))
     return np.stack(good, 1)
 
 
-def test_chain_reward_is_one_bit_for_the_share_of_good_tokens():
+@pytest.mark.parametrize("cfg", [tasks.SEQUENCE, tasks.HYBRID], ids=["qwen3", "qwen3_5"])
+def test_chain_reward_is_one_bit_for_the_share_of_good_tokens(cfg):
     """Completions that aim at a pattern of good and bad tokens (good: the best lower-half token in
     p_0's top 3; bad: p_0's rank-8 token), some cut short by the mask: the reward is 1 exactly when
     at least CHAIN_PASS of the kept tokens are good, counted one prefix at a time; the cases
-    include shares just under, at and above the bar."""
-    task = tasks.chain_task(1, 8, 8)
+    include shares just under, at and above the bar. On the tiny Qwen3 and Qwen3.5 (chain-hybrid's
+    model: its own bar, HYBRID_PASS, is a number like this one)."""
+    task = tasks.chain_task(1, 8, 8, cfg)
     cfg, V, B, M = task.cfg, task.cfg["vocab_size"], 12, 5
     rng = np.random.default_rng(1)
     prompts = np.array([p for p, _ in task.train[:B]], np.int32)
@@ -43,7 +45,8 @@ def test_chain_reward_is_one_bit_for_the_share_of_good_tokens():
     for t in range(M):
         pos = np.broadcast_to(np.arange(seq.shape[1]), seq.shape)
         with jax.default_matmul_precision("highest"):
-            logits = np.asarray(qwen3.forward(cfg, task.weights, seq, pos, last=1)[0][:, 0])
+            logits = np.asarray(models.model(cfg).forward(cfg, task.weights, seq, pos, last=1)[0])
+            logits = logits[:, 0]
         order = np.argsort(-logits, axis=-1, kind="stable")  # [B, V]: p_0's ranking
         top = order[:, : tasks.TEACHER_TOP]
         lower = np.where(top < V // 2, top, top[:, :1])  # a lower-half top-3 token, if any

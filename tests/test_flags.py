@@ -66,7 +66,7 @@ def test_micro_batch_default_fits_small_batches_and_help_shows_defaults(capsys):
         "--seed SEED seed",
         "(default: 0)",
         "--eval-every EVAL_EVERY evaluate every N steps (default: gsm8k 10",
-        "--task {gsm8k,arithmetic,sequence,chain} gsm8k, arithmetic;",
+        "--task {gsm8k,arithmetic,sequence,chain,chain-hybrid} gsm8k, arithmetic;",
         "(default: Qwen/Qwen3-0.6B)",
     ):
         assert needle in text, needle

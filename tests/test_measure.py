@@ -73,6 +73,7 @@ def tiny_measure(tiny, rows=8):
     task = tasks.Task(tiny.cfg, tiny.weights, STOP, pad, problems, problems, [], even_first, None)
     data = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
     flags = dict(max_tokens=8, rows=rows, micro_batch=4, prompts=2, group=4, n=rows, data=data)
+    flags["state_dtype"] = None
     return task, types.SimpleNamespace(**flags)
 
 
@@ -129,6 +130,7 @@ def test_accuracy_is_the_share_rewarded_and_ended_the_share_with_an_eos(tiny):
         (["mismatch"], "--model is required"),
         (["mismatch", "--model", "m"], "give --data-dir"),
         (["accuracy", "--task", "chain"], "--task chain takes drift only"),
+        (["drift", "--task", "chain", "--state-dtype", "fp16"], "only chain-hybrid's Qwen3.5"),
     ],
 )
 def test_bad_flags_are_one_line_before_any_load(argv, says, capsys):
