@@ -14,9 +14,10 @@ import pytest
 
 import qwen3_5
 import train
-from helpers import STOP, _prompts, arange_pos, tiny_argv, write_gsm8k, write_tiny_qwen3_5
+from helpers import _prompts, arange_pos, tiny_argv, write_gsm8k, write_tiny_qwen3_5
 from lab import hf_checkpoint, models, tasks
 from test_qwen3_5 import ATOL, reference, torch_logits
+from test_sampler import assert_a_group_prefilled_once_samples_as_each
 
 END_OF_TEXT, IM_END = 275, 277  # the tiny tokenizer's <|endoftext|> and <|im_end|>
 
@@ -121,20 +122,7 @@ def test_qwen3_5_group_prefilled_once_samples_as_rows_prefilled_each(tiny35):
     """group=4: each prompt's conv window, state, K and V are prefilled once and copied to its 4
     rows, which sample and record what rows prefilled one by one do (int8 W8A8 with an int4 KV cache
     and a bf16 state: every entry of the cache)."""
-    prompt, pos = (np.repeat(x, 4, 0) for x in _prompts(tiny35.tokenizer, 2))  # [8, T0]
-    numerics = dict(mm=train.quant_mm("int8"), kv_quant=train.kv_quant("int4"))
-    numerics["state_dtype"] = jnp.bfloat16
-    w = train.sampler_weights(tiny35.weights, "int8")
-    one, grouped = (
-        train.make_sampler(tiny35.cfg, 12, 8, STOP, numerics, group=g)(
-            w, prompt, pos, jax.random.PRNGKey(1)
-        )
-        for g in (1, 4)
-    )
-    for name in one:
-        np.testing.assert_allclose(grouped[name], one[name], atol=1e-5, err_msg=name)
-    tokens = np.asarray(one["tokens"]).reshape(2, 4, -1)
-    assert all(len({tuple(r) for r in copies}) > 1 for copies in tokens)  # rows of their own
+    assert_a_group_prefilled_once_samples_as_each(tiny35, 2, 12, "int8", "int4", jnp.bfloat16)
 
 
 def test_w8a8_quantises_every_matmul_weight_of_both_kinds_of_layer(tiny35):

@@ -50,23 +50,32 @@ def test_zero_mismatch_sampler_logq_equals_trainer_logp(tiny, monkeypatch, tempe
     assert np.abs(np.where(out["mask"], ref_y - np.asarray(out["logq"]), 0)).max() <= 1e-4
 
 
+def assert_a_group_prefilled_once_samples_as_each(model, n, M, kind, kv, state=None):
+    """n prompts, each 4 times: sampled with group=4 (a prompt prefilled once, its cache copied to
+    its 4 rows) and with group=1, at W8A8 `kind`, a KV cache of kind `kv` and (Qwen3.5) the state
+    at `state`: the same record, and each prompt's 4 rows not all alike."""
+    prompt, pos = (np.repeat(x, 4, 0) for x in _prompts(model.tokenizer, n))  # [4n, T0]
+    numerics = dict(mm=train.quant_mm(kind), kv_quant=train.kv_quant(kv))
+    if state:
+        numerics["state_dtype"] = state
+    w = train.sampler_weights(model.weights, kind)
+    one, grouped = (
+        train.make_sampler(model.cfg, M, 8, STOP, numerics, group=g)(
+            w, prompt, pos, jax.random.PRNGKey(1)
+        )
+        for g in (1, 4)
+    )
+    for name in one:
+        np.testing.assert_allclose(grouped[name], one[name], atol=1e-5, err_msg=name)
+    tokens = np.asarray(one["tokens"]).reshape(n, 4, -1)
+    assert all(len({tuple(r) for r in copies}) > 1 for copies in tokens)  # rows of their own
+
+
 def test_a_group_of_copies_prefilled_once_samples_as_rows_prefilled_each(tiny):
     """group=4: each run of 4 copies of a prompt is prefilled once and its cache copied; the rows
     sample, and record, what rows prefilled one by one do (bf16, int8 W8A8 with an int4 cache)."""
-    prompt, pos = (np.repeat(x, 4, 0) for x in _prompts(tiny.tokenizer, 3))  # [12, T0]
     for kind, kv in (("bf16", None), ("int8", "int4")):
-        numerics = dict(mm=train.quant_mm(kind), kv_quant=train.kv_quant(kv))
-        w = train.sampler_weights(tiny.weights, kind)
-        one, grouped = (
-            train.make_sampler(tiny.cfg, 16, 8, STOP, numerics, group=g)(
-                w, prompt, pos, jax.random.PRNGKey(1)
-            )
-            for g in (1, 4)
-        )
-        for name in one:
-            np.testing.assert_allclose(grouped[name], one[name], atol=1e-5, err_msg=name)
-        tokens = np.asarray(one["tokens"]).reshape(3, 4, -1)
-        assert all(len({tuple(r) for r in copies}) > 1 for copies in tokens)  # rows of their own
+        assert_a_group_prefilled_once_samples_as_each(tiny, 3, 16, kind, kv)
 
 
 def test_mask_ends_at_the_first_eos(tiny):
