@@ -1,9 +1,11 @@
 """train.py on Qwen3.5: a GRPO run of a tiny checkpoint with LoRA on every projection of both kinds
 of layer, saved where transformers reads it; the sampler's log q against the trainer's log p with a
 float32 DeltaNet state, and the mismatch a bf16 or fp16 state makes; the group prefill; W8A8 on
-every matmul weight; the chat turn's end as eos; --plan and lab.bench on Qwen3.5-0.8B's config.
+every matmul weight; the chat turn's end as eos; --plan from a config.json alone; seed 003's
+command on Qwen3.5-0.8B's config.
 B batch rows, T0 prompt length, M completion length, V vocab, k the sampler's top-k head size."""
 
+import inspect
 import json
 import os
 
@@ -15,8 +17,8 @@ import pytest
 import qwen3_5
 import train
 from helpers import _prompts, arange_pos, tiny_argv, write_gsm8k, write_tiny_qwen3_5
-from lab import hf_checkpoint, models, tasks
-from test_qwen3_5 import ATOL, reference, torch_logits
+from lab import harness, hf_checkpoint, models, plan, tasks
+from test_qwen3_5 import ATOL, QWEN3_5_0_8B, reference, torch_logits
 from test_sampler import assert_a_group_prefilled_once_samples_as_each
 
 END_OF_TEXT, IM_END = 275, 277  # the tiny tokenizer's <|endoftext|> and <|im_end|>
@@ -164,3 +166,49 @@ def test_w8a8_quantises_every_matmul_weight_of_both_kinds_of_layer(tiny35):
 def test_state_dtype_is_refused_for_a_dense_model():
     with pytest.raises(SystemExit, match="--state-dtype bf16: the sequence task has no recurrent"):
         train.main("--task sequence --state-dtype bf16".split())
+
+
+def test_plan_sizes_a_qwen3_5_from_its_config_json_alone(tmp_path, monkeypatch, capsys):
+    """--plan on 4 devices, LoRA rank 8 and AdamW, from a folder with a tiny Qwen3.5's config.json
+    only: its parameters counted from the config (each weight of each kind of layer), matrices split
+    4 ways and vectors whole; an adapter pair of (inputs + outputs) x r on each matmul of both kinds
+    of layer; the cache of a quarter of the rows: K and V of the full-attention layers (bf16), the
+    conv's last inputs (bf16) and the float32 state of the linear ones."""
+    cfg = json.load(open(write_tiny_qwen3_5(str(tmp_path / "tiny"), tie=True) + "/config.json"))
+    json.dump(cfg, open(tmp_path / "config.json", "w"))  # no weights, no tokenizer
+    monkeypatch.setattr(hf_checkpoint, "load", None)
+    D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    N, K, H = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    U, Y, width = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"], 4
+    C, r = 2 * J * E + U * Y, 8
+    full = cfg["layer_types"].count("full_attention")
+    linear = len(cfg["layer_types"]) - full
+    mlp = 3 * D * F
+    matrices = V * D + full * (3 * N * H * D + 2 * K * H * D + mlp)  # q: a query and a gate
+    matrices += linear * (C * D + 2 * U * Y * D + 2 * U * D + C * width + mlp)
+    vectors = D + full * (2 * H + 2 * D) + linear * (3 * U + Y + 2 * D - U)  # A_log, dt_bias, norms
+    mlp_pairs = 2 * (D + F) + (F + D)  # gate, up, down
+    full_pairs = (D + 2 * N * H) + 2 * (D + K * H) + (N * H + D) + mlp_pairs  # q, k, v, o
+    linear_pairs = (
+        (D + C) + (D + U * Y) + 2 * (D + U) + (U * Y + D) + mlp_pairs
+    )  # qkv, z, b, a, out
+    pairs = full * full_pairs + linear * linear_pairs
+    B, T0, M = 8, inspect.signature(plan.plan).parameters["T0"].default, 4
+    argv = f"--plan --model {tmp_path} --prompts 2 --group 4 --max-tokens {M} --topk 8"
+    rows = train.main(argv.split() + "--optimizer adamw --lora 8".split())
+    assert "--plan: 4-layer Qwen3.5" in capsys.readouterr().out
+    assert rows["weights"] == 4 * (matrices // 4 + vectors)
+    assert rows["adapters"] == rows["gradients"] == 4 * r * pairs
+    kv = 2 * full * (B // 4) * (T0 + M) * K * H * 2
+    kv += linear * (B // 4) * ((width - 1) * C * 2 + U * E * Y * 4)
+    assert rows["kv cache"] == kv
+
+
+def test_seed_003s_command_is_accepted_on_qwen3_5_0_8b(tmp_path):
+    """The recipe's command on Qwen3.5-0.8B's config.json passes every flag and config check."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_5_0_8B))
+    argv = f"--model {tmp_path} --lora 32 --optimizer adamw --lr 1e-4 --prompts 32 --group 8"
+    args = harness.parse_args(argv.split() + "--max-tokens 512 --compare".split())
+    tasks.check_against_model(hf_checkpoint.config(args.model)[0], args)  # raises on a refusal
+    assert args.lora == 32 and args.max_tokens == 512 and args.topk == 128
