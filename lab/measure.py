@@ -5,6 +5,7 @@ step's drift term against its signal, its greedy GSM8K accuracy.
     python -m lab.measure drift --model smollm2 --max-tokens 128  # on lab/problems.py's arithmetic
     python -m lab.measure drift --task chain --max-tokens 64   # the chain task, its levels
     python -m lab.measure drift --task chain-hybrid --max-tokens 64 --state-dtype fp16
+    python -m lab.measure drift --task chain-hybrid --max-tokens 64 --state-dtype bf16 --state-only
     python -m lab.measure accuracy --model smollm2 --data-dir ../shared/gsm8k --n 500
 
 Each result is a JSON line in OUT/WHAT.jsonl, written as it is made; a rerun skips the results
@@ -40,12 +41,18 @@ def append(file, result):  # one line, flushed: a stopped run loses nothing it h
         f.write(json.dumps(result) + "\n")
 
 
-def level_numerics(train, level, state=None):  # harness.levels' (kind, σ, kv) -> make_sampler's
-    kind, _, kv = level
+def sampler(train, args, task, level, topk, key):
+    """The sampler of a level (harness.levels' (kind, σ, kv)) and its weights; with --state-dtype,
+    Qwen3.5's recurrent state at bf16 or fp16; with --state-only, float32 but for that state."""
+    kind, sigma, kv = level
     numerics = dict(mm=train.quant_mm(kind), kv_quant=train.kv_quant(kv))
-    if state:  # Qwen3.5's recurrent state at bf16 or fp16 (--state-dtype)
-        numerics["state_dtype"] = train.STATE_DTYPES[state]
-    return numerics
+    w_q = train.sampler_weights(task.weights, kind, sigma, jax.random.fold_in(key, 1))
+    if args.state_only:  # the trainer's weights and numerics: only the state's rounding differs
+        numerics = dict(mm=jnp.einsum, dtype=jnp.float32)
+        w_q = task.weights
+    if args.state_dtype:
+        numerics["state_dtype"] = train.STATE_DTYPES[args.state_dtype]
+    return train.make_sampler(task.cfg, args.max_tokens, topk, task.eos, numerics), w_q
 
 
 def trainer_logp(
@@ -63,14 +70,10 @@ def trainer_logp(
 def mismatch(train, args, task, level, seed):
     """kl_q_p = token mean of log q − log p on q's own samples, mean |log p − log q|, and the
     mass of q's top 128 tokens, over args.rows GSM8K test prompts of up to max_tokens."""
-    kind, sigma, _ = level
     key = jax.random.key(seed)
-    sampler = train.make_sampler(
-        task.cfg, args.max_tokens, 128, task.eos, level_numerics(train, level, args.state_dtype)
-    )
-    w_q = train.sampler_weights(task.weights, kind, sigma, jax.random.fold_in(key, 1))
+    sample, w_q = sampler(train, args, task, level, 128, key)
     prompts = [p for p, _ in task.test[: args.rows]]
-    rec = rollouts.generate(sampler, w_q, prompts, task.pad, key, args.data, args.rows)
+    rec = rollouts.generate(sample, w_q, prompts, task.pad, key, args.data, args.rows)
     logp, mask = trainer_logp(train, task.cfg, task.weights, rec, args.micro_batch), rec["mask"]
     diff = (rec["logq"] - logp)[mask]
     head = np.asarray(jax.scipy.special.logsumexp(rec["head_logq"], -1))[mask]
@@ -113,17 +116,13 @@ def gradients(train, cfg, w, b, rows):
 def drift(train, args, task, level, seed):
     """One step's drift term against its signal: g_u − g_c = Σ adv · E_q[∇ log p]
     (score_centering.py, step 7), over a batch of args.prompts prompts × args.group rollouts."""
-    kind, sigma, _ = level
     key = jax.random.key(seed)
-    sampler = train.make_sampler(
-        task.cfg, args.max_tokens, 0, task.eos, level_numerics(train, level, args.state_dtype)
-    )
-    w_q = train.sampler_weights(task.weights, kind, sigma, jax.random.fold_in(key, 1))
+    sample, w_q = sampler(train, args, task, level, 0, key)
     rng = np.random.default_rng(seed)
     chosen = [task.train[i] for i in rng.choice(len(task.train), args.prompts, replace=False)]
     chosen = [p for p in chosen for _ in range(args.group)]
     prompts, golds = [p for p, _ in chosen], [g for _, g in chosen]
-    rec = rollouts.generate(sampler, w_q, prompts, task.pad, key, args.data, len(prompts))
+    rec = rollouts.generate(sample, w_q, prompts, task.pad, key, args.data, len(prompts))
     rewards = np.asarray(task.reward(rec["tokens"], rec["mask"], golds), np.float32)
     adv = np.asarray(train.advantage(jnp.asarray(rewards), args.group, "group"))
     batch = rec | dict(adv=adv)
@@ -172,6 +171,7 @@ def parse(argv=None):
     p.add_argument("--data-dir", help="GSM8K's jsonl folder (mismatch, accuracy)")
     p.add_argument("--levels", help="harness.levels' spelling (default: per measure)")
     p.add_argument("--state-dtype", choices=["bf16", "fp16"], help="Qwen3.5's state (chain-hybrid)")
+    p.add_argument("--state-only", action="store_true", help="a float32 sampler but for its state")
     p.add_argument("--seeds", type=harness.csv(int), default=(0, 1))
     p.add_argument("--rows", type=int, default=64, help="sampler rows a call (mismatch: in all)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -187,10 +187,12 @@ def parse(argv=None):
         p.error(f"{args.what} measures GSM8K text: --task {args.task} takes drift only")
     if args.state_dtype and args.task != "chain-hybrid":
         p.error(f"--state-dtype {args.state_dtype}: only chain-hybrid's Qwen3.5 has a state")
+    if args.state_only and (args.levels or "0") != "0":
+        p.error("--state-only measures the state alone: drop --levels (or give 0)")
     if args.what != "drift" and not args.data_dir:
         p.error(f"{args.what} reads GSM8K's test split: give --data-dir")
     default = dict(mismatch=MISMATCH_LEVELS, drift=DRIFT_LEVELS, accuracy="0")[args.what]
-    args.levels = args.levels or default
+    args.levels = args.levels or ("0" if args.state_only else default)
     if args.what == "accuracy":  # greedy: one seed's is every seed's
         args.seeds = args.seeds[:1]
     return args
@@ -213,7 +215,8 @@ def main(argv, train):
     task = load_task(args)
     args.data = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
     os.makedirs(args.out, exist_ok=True)
-    state = f"-state_{args.state_dtype}" if args.state_dtype else ""
+    state = f"-state_{args.state_dtype or 'float32'}" if args.state_dtype or args.state_only else ""
+    state += "-alone" if args.state_only else ""
     file = f"{args.out}/{args.what}-{args.task}{state}.jsonl"
     done = results(file)
     for text, level in zip(args.levels.split(","), harness.levels(args.levels), strict=True):
