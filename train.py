@@ -37,7 +37,8 @@ from lab.devices import host, shardings
 from lab.models import INPUT_AXES, model  # the weights' input axes; the model cfg names
 
 TEMPERATURE = 1.0  # the sampler's; the recorded log q is the post-temperature distribution
-SAMPLER_DTYPE = jnp.bfloat16  # the sampler's weights and activations (W8A8: the stored values)
+# the sampler's weights and activations (W8A8: the stored values); float32: the trainer's numerics
+SAMPLER_DTYPES = dict(float32=jnp.float32, bf16=jnp.bfloat16, int8=jnp.bfloat16, fp8=jnp.bfloat16)
 STATE_DTYPES = dict(bf16=jnp.bfloat16, fp16=jnp.float16)  # --state-dtype: Qwen3.5's, not float32
 
 # -------------------------------------------------------------------------------------------------
@@ -68,9 +69,9 @@ def kv_quant(kind):
 
 @partial(jax.jit, static_argnums=(1, 2))
 def sampler_weights(w, kind, sigma=0.0, key=None):
-    """SAMPLER_DTYPE copy of w ⊙ (1 + σε), ε a standard normal draw from `key` (a key a weight):
-    the same at each refresh, a persistent bias; kind int8 or fp8 fake-quantises every matmul
-    weight per output channel, the embedding and the output head included (W8A8)."""
+    """w ⊙ (1 + σε) in the kind's SAMPLER_DTYPES, ε a standard normal draw from `key` (a key a
+    weight): the same at each refresh, a persistent bias; kind int8 or fp8 fake-quantises every
+    matmul weight per output channel, the embedding and the output head included (W8A8)."""
     if sigma:
         leaves, tree = jax.tree.flatten(w)
         keys = tree.unflatten(list(jax.random.split(key, len(leaves))))  # a key a weight
@@ -80,9 +81,9 @@ def sampler_weights(w, kind, sigma=0.0, key=None):
         name = path[-1].key
         return fake_quant(x, INPUT_AXES[name], kind) if name in INPUT_AXES else x
 
-    if kind != "bf16":
+    if kind in QMAX:
         w = jax.tree_util.tree_map_with_path(quant, w)
-    return jax.tree.map(lambda x: x.astype(SAMPLER_DTYPE), w)
+    return jax.tree.map(lambda x: x.astype(SAMPLER_DTYPES[kind]), w)
 
 
 def quant_mm(kind):  # W8A8: the activation is fake-quantised per token (over the contracted axes)
@@ -92,7 +93,7 @@ def quant_mm(kind):  # W8A8: the activation is fake-quantised per token (over th
         per_token = tuple(i for i, c in enumerate(x_axes) if c not in out)
         return jnp.einsum(spec, fake_quant(x, per_token, kind), w)
 
-    return jnp.einsum if kind == "bf16" else mm
+    return mm if kind in QMAX else jnp.einsum
 
 
 # the decode loop's state: step i, the logits of its token, KV cache, rows done, record, key
@@ -103,10 +104,10 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False, gr
     """fn(weights, prompt [B, T0], pos [B, T0], key) -> dict of tokens, logq, mask [B, M] and the
     head: head_ids, head_logq [B, M, k], log q after temperature, normalised over all V (topk 0:
     the full [B, M, V] log q, no ids). Prefills once, then decodes a token a step until every row
-    has ended its turn. numerics: forward's mm (quant_mm), dtype (SAMPLER_DTYPE), kv_quant, and
+    has ended its turn. numerics: forward's mm (quant_mm), dtype (SAMPLER_DTYPES), kv_quant, and
     Qwen3.5's state_dtype. group: the rows come in runs of `group` copies of one prompt, each run
     prefilled once. The model (qwen3.py or qwen3_5.py) is the one cfg names."""
-    numerics = dict(dtype=SAMPLER_DTYPE) | (numerics or {})
+    numerics = dict(dtype=SAMPLER_DTYPES["bf16"]) | (numerics or {})
     fwd, eos = partial(model(cfg).forward, cfg, **numerics), jnp.array(eos_ids)
 
     def sample(w, prompt, pos, key):
@@ -321,7 +322,7 @@ def build(args, cfg, eos):
 
     @cache
     def samplers(kind, kv=None, state=None):  # W8A8 kind, the KV cache's kind, the state's dtype
-        numerics = dict(mm=quant_mm(kind), kv_quant=kv_quant(kv))
+        numerics = dict(mm=quant_mm(kind), kv_quant=kv_quant(kv), dtype=SAMPLER_DTYPES[kind])
         if state:  # Qwen3.5's recurrent state held at bf16 or fp16 (a dense model has none)
             numerics["state_dtype"] = STATE_DTYPES[state]
         return make_sampler(cfg, args.max_tokens, args.topk, eos, numerics, group=args.group)

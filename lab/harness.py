@@ -43,7 +43,7 @@ def levels(text):  # "0.01,int8+kv_int4" -> [("bf16", 0.01, None), ("int8", 0.0,
     found = []
     for level in text.split(","):  # a sampler, then (after +kv_) its KV cache's kind
         weights, _, kv = level.partition("+kv_")
-        sampler, noise = (weights, 0.0) if weights in W8 else ("bf16", float(weights))
+        sampler, noise = (weights, 0.0) if weights in ("float32", *W8) else ("bf16", float(weights))
         found.append((sampler, noise, kv or None))
     return found
 
@@ -105,7 +105,7 @@ def declare(p, defaults=True):  # defaults=False: none, to see which flags were 
     a("--lora-alpha", "LoRA scale alpha / rank (default: alpha = rank)", type=float)
 
     group = p.add_argument_group("mismatch: how the sampler differs from the float32 trainer")
-    a("--sampler", "bf16, or W8A8 fake quantisation", choices=["bf16", *W8])
+    a("--sampler", "float32, bf16, or W8A8 fake quantisation", choices=["float32", "bf16", *W8])
     a("--kv-quant", "fake-quantise the keys and values it caches (default: off)", choices=KV)
     a("--state-dtype", "Qwen3.5's DeltaNet state (default: float32)", choices=["bf16", "fp16"])
     a("--weight-noise", "fixed relative weight noise σ", type=float)
@@ -156,7 +156,7 @@ CHECKS = [  # (a test of the flags a: what is wrong, if anything; what to say, f
         lambda a: (
             not all(0 <= noise < math.inf and kv in (None, *KV) for _, noise, kv in a.sweep or [])
         ),
-        "--sweep levels: noise >= 0, int8, fp8; each +kv_int8, int4, fp8 or not: {a.sweep}",
+        "--sweep levels: σ >= 0, float32, int8, fp8; each +kv_int8, int4, fp8 or not: {a.sweep}",
     ),
     (
         lambda a: a.sweep and {"sampler", "weight_noise", "kv_quant"} & a.given,

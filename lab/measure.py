@@ -5,7 +5,7 @@ step's drift term against its signal, its greedy GSM8K accuracy.
     python -m lab.measure drift --model smollm2 --max-tokens 128  # on lab/problems.py's arithmetic
     python -m lab.measure drift --task chain --max-tokens 64   # the chain task, its levels
     python -m lab.measure drift --task chain-hybrid --max-tokens 64 --state-dtype fp16
-    python -m lab.measure drift --task chain-hybrid --max-tokens 64 --state-dtype bf16 --state-only
+    python -m lab.measure drift --task chain-hybrid --levels float32 --state-dtype bf16  # the state
     python -m lab.measure accuracy --model smollm2 --data-dir ../shared/gsm8k --n 500
 
 Each result is a JSON line in OUT/WHAT.jsonl, written as it is made; a rerun skips the results
@@ -43,15 +43,13 @@ def append(file, result):  # one line, flushed: a stopped run loses nothing it h
 
 def sampler(train, args, task, level, topk, key):
     """The sampler of a level (harness.levels' (kind, σ, kv)) and its weights; with --state-dtype,
-    Qwen3.5's recurrent state at bf16 or fp16; with --state-only, float32 but for that state."""
+    Qwen3.5's recurrent state held at bf16 or fp16."""
     kind, sigma, kv = level
     numerics = dict(mm=train.quant_mm(kind), kv_quant=train.kv_quant(kv))
-    w_q = train.sampler_weights(task.weights, kind, sigma, jax.random.fold_in(key, 1))
-    if args.state_only:  # the trainer's weights and numerics: only the state's rounding differs
-        numerics = dict(mm=jnp.einsum, dtype=jnp.float32)
-        w_q = task.weights
+    numerics["dtype"] = train.SAMPLER_DTYPES[kind]
     if args.state_dtype:
         numerics["state_dtype"] = train.STATE_DTYPES[args.state_dtype]
+    w_q = train.sampler_weights(task.weights, kind, sigma, jax.random.fold_in(key, 1))
     return train.make_sampler(task.cfg, args.max_tokens, topk, task.eos, numerics), w_q
 
 
@@ -171,7 +169,6 @@ def parse(argv=None):
     p.add_argument("--data-dir", help="GSM8K's jsonl folder (mismatch, accuracy)")
     p.add_argument("--levels", help="harness.levels' spelling (default: per measure)")
     p.add_argument("--state-dtype", choices=["bf16", "fp16"], help="Qwen3.5's state (chain-hybrid)")
-    p.add_argument("--state-only", action="store_true", help="a float32 sampler but for its state")
     p.add_argument("--seeds", type=harness.csv(int), default=(0, 1))
     p.add_argument("--rows", type=int, default=64, help="sampler rows a call (mismatch: in all)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -187,12 +184,10 @@ def parse(argv=None):
         p.error(f"{args.what} measures GSM8K text: --task {args.task} takes drift only")
     if args.state_dtype and args.task != "chain-hybrid":
         p.error(f"--state-dtype {args.state_dtype}: only chain-hybrid's Qwen3.5 has a state")
-    if args.state_only and (args.levels or "0") != "0":
-        p.error("--state-only measures the state alone: drop --levels (or give 0)")
     if args.what != "drift" and not args.data_dir:
         p.error(f"{args.what} reads GSM8K's test split: give --data-dir")
     default = dict(mismatch=MISMATCH_LEVELS, drift=DRIFT_LEVELS, accuracy="0")[args.what]
-    args.levels = args.levels or ("0" if args.state_only else default)
+    args.levels = args.levels or default
     if args.what == "accuracy":  # greedy: one seed's is every seed's
         args.seeds = args.seeds[:1]
     return args
@@ -215,8 +210,7 @@ def main(argv, train):
     task = load_task(args)
     args.data = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
     os.makedirs(args.out, exist_ok=True)
-    state = f"-state_{args.state_dtype or 'float32'}" if args.state_dtype or args.state_only else ""
-    state += "-alone" if args.state_only else ""
+    state = f"-state_{args.state_dtype}" if args.state_dtype else ""
     file = f"{args.out}/{args.what}-{args.task}{state}.jsonl"
     done = results(file)
     for text, level in zip(args.levels.split(","), harness.levels(args.levels), strict=True):

@@ -73,7 +73,7 @@ def tiny_measure(tiny, rows=8):
     task = tasks.Task(tiny.cfg, tiny.weights, STOP, pad, problems, problems, [], even_first, None)
     data = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
     flags = dict(max_tokens=8, rows=rows, micro_batch=4, prompts=2, group=4, n=rows, data=data)
-    flags.update(state_dtype=None, state_only=False)  # a dense model's: no recurrent state
+    flags["state_dtype"] = None  # a dense model's: no recurrent state
     return task, types.SimpleNamespace(**flags)
 
 

@@ -19,12 +19,14 @@ from lab import hf_checkpoint, rollouts
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_zero_mismatch_sampler_logq_equals_trainer_logp(tiny, monkeypatch, temperature):
-    """float32 sampler without noise: recorded log q == the train step's log p == one plain pass."""
+    """--sampler float32 (its weights, matmuls and dtype) without noise: recorded log q == the
+    train step's log p == one plain pass."""
     # read at trace time by sampler and trainer
     monkeypatch.setattr(train, "TEMPERATURE", temperature)
     prompt, pos = _prompts(tiny.tokenizer, 6)
-    sample = train.make_sampler(tiny.cfg, 24, 8, STOP, dict(dtype=jnp.float32, kv_quant=None))
-    out = sample(tiny.weights, prompt, pos, jax.random.PRNGKey(0))
+    numerics = dict(mm=train.quant_mm("float32"), dtype=train.SAMPLER_DTYPES["float32"])
+    sample = train.make_sampler(tiny.cfg, 24, 8, STOP, numerics)
+    out = sample(train.sampler_weights(tiny.weights, "float32"), prompt, pos, jax.random.PRNGKey(0))
     lengths = np.asarray(out["mask"]).sum(1)
     # stops at different steps
     assert len(set(lengths.tolist())) > 2 and lengths.min() < 24, lengths
