@@ -1,15 +1,20 @@
 """The fixtures shared by tests/: the tiny checkpoint loaded (`tiny`), its forward pass compiled
-(`fwd`), and a tiny checkpoint beside a tiny GSM8K folder (`gsm`). Session-scoped: built once per
-process (per xdist worker), as they were when every test lived in one module. The top-level
+(`fwd`), a tiny checkpoint beside a tiny GSM8K folder (`gsm`), and a --compare of the sequence task
+(`sequence_compare`). Session-scoped: built once per process (per xdist worker), as they were when
+every test lived in one module. The top-level
 conftest.py sets up XLA and jax (4 CPU devices) before this file is imported.
 B batch rows, T query length, D model width, F MLP hidden, H head dimension, N query heads, K
 key/value heads, L layers, V vocab, M completion length, k the sampler's top-k head size."""
+
+import contextlib
+import io
 
 import jax
 import pytest
 
 import qwen3
-from helpers import write_gsm8k, write_tiny_checkpoint
+import train
+from helpers import spy_loss, write_gsm8k, write_tiny_checkpoint
 from lab import hf_checkpoint
 
 
@@ -31,3 +36,18 @@ def fwd(tiny):  # qwen3.forward on the tiny model, compiled once per shape
 def gsm(tmp_path_factory):  # a tiny checkpoint and a tiny GSM8K folder
     root = tmp_path_factory.mktemp("gsm")
     return write_tiny_checkpoint(str(root / "ckpt")), write_gsm8k(root / "gsm8k")
+
+
+@pytest.fixture(scope="session")
+def sequence_compare(tmp_path_factory):
+    """The sequence task's --compare of seeds 0 and 1, 8 steps evaluated every 4: what drift costs
+    (test_runs), and the numbers lab.report recomputes from its files (test_report), one run for
+    both. A dict: its flags (less --seeds and --out), folder, summary, printed lines, and the
+    `center` of each train step it traced."""
+    flags = "--task sequence --compare --steps 8 --eval-every 4 --lr 0.4 --eval-n 128 --probe-n 8"
+    out = tmp_path_factory.mktemp("compare")
+    with pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(io.StringIO()) as printed:
+        seen = spy_loss(m)
+        summary = train.main([*flags.split(), "--seeds", "0,1", "--out", str(out)])
+    lines = printed.getvalue().splitlines()
+    return dict(flags=flags.split(), out=out, summary=summary, lines=lines, seen=seen)

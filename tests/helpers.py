@@ -1,15 +1,17 @@
 """Plain helpers shared by several files in tests/, imported by name (pytest puts tests/ on
 sys.path): a tiny random Qwen3 checkpoint in the Hugging Face layout, written without our code; a
-tiny GSM8K folder and the flags of a seconds-long run on it; prompts for the sampler; metrics rows
-without their times; strict JSON."""
+tiny GSM8K folder and the flags of a seconds-long run on it; prompts for the sampler; a spy on the
+loss a train step traces; metrics rows without their times; strict JSON."""
 
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+import train
 from lab import rollouts
 
 
@@ -273,6 +275,18 @@ def tiny_argv(gsm, *extra):  # a GSM8K run of the tiny checkpoint: seconds on a 
         "3",
         *extra,
     ]
+
+
+def spy_loss(monkeypatch, key="center"):  # kw[key] of every sc.loss call a train step traces
+    seen, real = [], train.sc.loss
+
+    def spy(*a, **kw):
+        if isinstance(a[0], jax.core.Tracer):  # not --correction's check of its text, on one token
+            seen.append(kw[key])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train.sc, "loss", spy)
+    return seen
 
 
 def _strip(rows):  # metrics rows without their wall-clock times

@@ -9,19 +9,15 @@ import os
 import numpy as np
 import pytest
 
-import train
 from lab import report
 
 
-def test_a_compare_recomputes_from_its_files(tmp_path, capsys):
-    out = tmp_path / "cmp"
-    flags = "--task sequence --compare --seeds 0,1 --steps 4 --eval-every 2 --lr 0.4 --eval-n 32"
-    summary = train.main([*flags.split(), "--probe-n", "8", "--out", str(out)])
-    capsys.readouterr()
+def test_a_compare_recomputes_from_its_files(tmp_path, capsys, sequence_compare):
+    out, summary = sequence_compare["out"], sequence_compare["summary"]
     plot = tmp_path / "curves.png" if importlib.util.find_spec("matplotlib") else None
     found = report.report(str(out), plot and str(plot))
     text = capsys.readouterr().out
-    assert found["step"] == 4 and sorted(found["runs"]) == [0, 1]
+    assert found["step"] == 8 and sorted(found["runs"]) == [0, 1]
     for seed, arms in found["runs"].items():
         for arm, mine in arms.items():
             wrote = summary[f"{arm}_seed{seed}"]

@@ -19,23 +19,11 @@ import pytest
 
 import score_centering as sc
 import train
-from helpers import _strict_json, _strip, tiny_argv, write_gsm8k
+from helpers import _strict_json, _strip, spy_loss, tiny_argv, write_gsm8k
 from lab import compare, harness, hf_checkpoint, rollouts, tasks
 
 # the project root, where train.py is (run as a script by the Ctrl-C test)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def spy_loss(monkeypatch, key="center"):  # kw[key] of every sc.loss call a train step traces
-    seen, real = [], sc.loss
-
-    def spy(*a, **kw):
-        if isinstance(a[0], jax.core.Tracer):  # not --correction's check of its text, on one token
-            seen.append(kw[key])
-        return real(*a, **kw)
-
-    monkeypatch.setattr(train.sc, "loss", spy)
-    return seen
 
 
 def test_train_end_to_end_writes_metrics_summary_and_a_checkpoint(
@@ -147,17 +135,18 @@ def test_a_correction_reaches_both_arms_of_a_compare_and_of_a_sweep(tmp_path, ca
     assert "--correction gspo:0.2,0.28, 1 steps" in capsys.readouterr().out
 
 
-def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, capsys, monkeypatch):
+def test_sequence_task_drift_costs_held_out_score_without_centring(
+    tmp_path, capsys, sequence_compare
+):
     """The full LLM loop (sampler, KV cache, int8 + noise, top-k record, train step), shortened: on
     two seeds, uncentred GRPO walks farther and its held-out score falls further than centred
     GRPO's. Its four runs, three at once (the sequence task's --workers), log what they log with
     another beside them, row for row (seed 0's two runs, run again two at once), and print a line
-    as each finishes; a single seed prints every step instead, each line whole."""
-    seen = spy_loss(monkeypatch)
-    flags = "--task sequence --compare --steps 8 --lr 0.4 --eval-n 128 --probe-n 8".split()
-    summary = train.main([*flags, "--seeds", "0,1", "--out", str(tmp_path / "two")])
+    as each finishes; a single seed prints every step instead, each line whole. The four runs:
+    conftest's sequence_compare, which test_report recomputes from its files."""
+    flags, summary, lines = (sequence_compare[k] for k in ("flags", "summary", "lines"))
+    seen = sequence_compare["seen"]
     assert sorted(seen) == [False, True]  # one train step traced per arm, shared by seeds, threads
-    lines = capsys.readouterr().out.splitlines()
     one = train.main([*flags, "--seeds", "0", "--workers", "2", "--out", str(tmp_path / "one")])
     assert all(one[name] == summary[name] for name in ("uncentered_seed0", "centered_seed0"))
     one_lines = capsys.readouterr().out.splitlines()
@@ -168,17 +157,20 @@ def test_sequence_task_drift_costs_held_out_score_without_centring(tmp_path, cap
     assert sorted(d[3] for d in done) == sorted(names)
     for name in names:
         rows = [
-            _strip(map(json.loads, open(tmp_path / d / name / "metrics.jsonl")))
-            for d in ("two", "one")
-            if (tmp_path / d / name).exists()
+            _strip(map(json.loads, open(d / name / "metrics.jsonl")))
+            for d in (sequence_compare["out"], tmp_path / "one")
+            if (d / name).exists()
         ]
         assert rows[0] == rows[-1] and len(rows[0]) == 9 and len(rows) == 2 - name.endswith("1")
         steps = [line for line in one_lines if line.startswith(f"{name}: step ")]
         assert len(steps) == 9 * (not name.endswith("1")), steps
         assert all(line.count(" | ") == 9 for line in steps), steps
+    # measured: drops 0.141 and 0.130 uncentred, 0.006 and 0.032 centred; final scores 0.363 and
+    # 0.356 against 0.542 and 0.462; final drifts 1.81 and 1.75 against 0.80 and 1.00
     for s in (0, 1):
         off, on = summary[f"uncentered_seed{s}"], summary[f"centered_seed{s}"]
-        assert off["eval_acc"]["0"] == on["eval_acc"]["0"] and list(off["eval_acc"]) == ["0", "8"]
+        assert off["eval_acc"]["0"] == on["eval_acc"]["0"]
+        assert list(off["eval_acc"]) == ["0", "4", "8"]
         assert off["drop"] > on["drop"] + 0.05 and off["final_acc"] < on["final_acc"] - 0.05, (
             off,
             on,
