@@ -3,8 +3,9 @@ layer_types makes each layer Gated DeltaNet (linear attention: a causal conv, th
 rule's recurrent state) or gated full attention (QK-norm, partial RoPE, GQA, a sigmoid output gate).
 B batch rows, T query length, S key/KV-cache length, D model width, F MLP hidden, V vocab; full
 attention: N query heads, K key/value heads, R = N/K, H head dimension; linear attention: J key
-heads of dimension E, U value heads of dimension Y (U a multiple of J), C = 2·J·E + U·Y channels.
-Each kind's layer weights are stacked along a leading axis of their own: w["linear"], w["full"]."""
+heads of dimension E, U value heads of dimension Y (U a multiple of J), C = 2·J·E + U·Y channels;
+the chunked delta rule: n chunks of 64 tokens, t and s tokens in a chunk. Each kind's layer
+weights are stacked along a leading axis of their own: w["linear"], w["full"]."""
 
 from functools import partial
 
@@ -40,7 +41,8 @@ def rope(x, pos, base, rotary):  # rotate-half RoPE on the first `rotary` channe
 #   M <- exp(g) M;  M <- M + beta k (v - M^T k)^T;  o = M^T q
 def recurrent_delta_rule(q, k, v, g, beta, M, state_dtype):
     """One token: q, k [B, U, E], v [B, U, Y], g and beta [B, U], all float32, and the state M
-    [B, U, E, Y]. Returns o [B, U, Y] and the new state, rounded to state_dtype."""
+    [B, U, E, Y]. Returns o [B, U, Y] (read before rounding) and the new state, rounded to
+    state_dtype."""
     M = M * jnp.exp(g)[..., None, None]
     write = (v - jnp.einsum("bue,buey->buy", k, M)) * beta[..., None]
     M = M + jnp.einsum("bue,buy->buey", k, write)
@@ -48,7 +50,7 @@ def recurrent_delta_rule(q, k, v, g, beta, M, state_dtype):
 
 
 def unit_lower_solve(A, x):
-    """(I + A)^-1 x for A strictly lower triangular [..., S, S], by forward substitution a row a
+    """(I + A)^-1 x for A strictly lower triangular [..., t, s], by forward substitution a row a
     step: LAPACK's triangular solve's backward pass hangs XLA's CPU runtime on several devices."""
 
     def row(i, x):  # x_i <- x_i - Σ_s<i A[i, s] x_s, the rows before i already solved
@@ -68,10 +70,12 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
         return jnp.moveaxis(a.reshape(B, n, size, *a.shape[2:]), (1, 3), (0, 2))
 
     q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
-    # decays: exp(gam) from the chunk's start to t, decay[t, s] from s to t (finite above s = t)
+    # decays: exp(gam) from the chunk's start to t, decay[t, s] from s to t (clipped at 0 above
+    # the diagonal, so that exp stays finite and tril's zeros are not inf · 0)
     gam = jnp.cumsum(g, axis=-1)  # [n, B, U, size]
     decay = jnp.tril(jnp.exp(jnp.minimum(gam[..., :, None] - gam[..., None, :], 0)))
-    # within chunks: the writes u solve (I + A) u = beta (v - exp(gam) M^T k), M the chunk's start
+    # within chunks: each write reads the state the chunk's earlier writes made, so the writes u
+    # solve a triangular system (I + A) u = beta (v - exp(gam) M^T k), M the chunk's start
     A = jnp.tril(jnp.einsum("nbute,nbuse->nbuts", k, k) * decay, -1) * beta[..., None]
     u_0 = unit_lower_solve(A, v * beta[..., None])  # the writes if M = 0
     w = unit_lower_solve(A, k * (beta * jnp.exp(gam))[..., None])  # u = u_0 - w M
