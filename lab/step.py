@@ -1,5 +1,6 @@
 """One GRPO step of train.py, part by part (docs/speed.md): the sampler's P·G rollouts, the train
-step on them, the greedy evaluation of the held-out set, the drift meter. Each part is called twice
+step on them (and on them cut to each multiple of 32 tokens), the greedy evaluation of the held-out
+set, the drift meter. Each part is called twice
 and both times printed (the first compiles); the flags are train.py's.
 
     python -m lab.step --task arithmetic --model smollm2 --lora 32 --optimizer adamw --eval-n 400
@@ -55,11 +56,16 @@ def main(argv, train):
     batch["adv"] = train.advantage(rewards, args.group, args.baseline)
     step = fn.steps[args.center]
 
-    def train_step():
-        copy = jax.tree.map(jnp.copy, params)  # the step donates its inputs
-        return step(copy, opt_state, jax.device_put(batch, data), base)
+    def train_step(batch):
+        copy = jax.tree.map(jnp.copy, (params, opt_state))  # the step donates its inputs
+        return step(*copy, jax.device_put(batch, data), base)
 
-    timed("train step", train_step)
+    timed("train step", lambda: train_step(batch))
+    # the train step's cost against the record's length M (rollouts.generate cuts a record after
+    # its longest completion, rounded up to 32): the same rows at each M a multiple of 32
+    for M in range(32, args.max_tokens + 1, 32):
+        cut = {k: x if k in ("prompt", "pos", "adv") else x[:, :M] for k, x in batch.items()}
+        timed(f"train step, M {M}", lambda cut=cut: train_step(cut))
     test = [p for p, _ in task.test]
     held_out = rows * math.ceil(min(len(test), 512) / rows)  # as train.run's evaluation
     timed(
