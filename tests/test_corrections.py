@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 
 import score_centering as sc
-from test_score_centering import _batch, _expected_grad, _np_loss, _value_grad
+import test_score_centering as spec
+from test_score_centering import _batch, _np_loss
+
+# the spec's gradients jitted, each compiled once a correction rather than an op at a time eagerly
+_expected_grad = jax.jit(spec._expected_grad, static_argnames=("center", "correction"))
+_value_grad = jax.jit(spec._value_grad, static_argnames=("center", "correction"))
 
 
 # --------------------------------------------------------------------------------------------------
