@@ -137,35 +137,28 @@ def test_bfloat16_compute_close_to_float32(tiny, fwd):
 # forward's kv_quant: what the cache stores of each K and V
 def decode(m, tokens, kv_quant):  # prefill 5 tokens, then decode the rest one at a time
     B, T = tokens.shape
-    logits, kv = qwen3.forward(
-        m.cfg,
-        m.weights,
-        tokens[:, :5],
-        arange_pos(B, 5),
-        qwen3.init_kv(m.cfg, B, T),
-        0,
-        kv_quant=kv_quant,
-    )
+    fwd = jax.jit(lambda *a: qwen3.forward(m.cfg, m.weights, *a, kv_quant=kv_quant))  # t0 traced
+    logits, kv = fwd(tokens[:, :5], arange_pos(B, 5), qwen3.init_kv(m.cfg, B, T), 0)
     outs = [logits]
     for t in range(5, T):
-        logits, kv = qwen3.forward(
-            m.cfg, m.weights, tokens[:, t : t + 1], jnp.full((B, 1), t), kv, t, kv_quant=kv_quant
-        )
+        logits, kv = fwd(tokens[:, t : t + 1], jnp.full((B, 1), t), kv, t)
         outs.append(logits)
     return jnp.concatenate(outs, 1), kv
 
 
-def test_kv_quant_none_and_identity_are_the_plain_cache(tiny):
+def test_kv_quant_none_and_identity_are_the_plain_cache(tiny, fwd):
     tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 300)
-    full, _ = qwen3.forward(tiny.cfg, tiny.weights, tokens, arange_pos(2, 8))
+    full, _ = fwd(tokens, arange_pos(2, 8))
     plain, kv = decode(tiny, tokens, None)
     same, kv_same = decode(tiny, tokens, lambda a: a)
     np.testing.assert_array_equal(plain, same)
     np.testing.assert_array_equal(kv["k"], kv_same["k"])
     np.testing.assert_allclose(plain, full, atol=1e-5)
-    seen = []  # without a cache, kv_quant is never called
-    qwen3.forward(
-        tiny.cfg, tiny.weights, tokens, arange_pos(2, 8), kv_quant=lambda a: seen.append(a) or a
+    seen = []  # without a cache, kv_quant is never called (nor traced)
+    jax.eval_shape(
+        lambda: qwen3.forward(
+            tiny.cfg, tiny.weights, tokens, arange_pos(2, 8), kv_quant=lambda a: seen.append(a) or a
+        )
     )
     assert seen == []
 
