@@ -3,6 +3,7 @@ reward, and the mismatch kinds of the field's collapses: an int4 KV cache, sweep
 W8A8 weights with a quantised cache, and the mismatch between evaluations in each run's summary."""
 
 import argparse
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,10 @@ import train
 from lab import compare, harness, models, tasks
 
 
+def jitted_forward(cfg):  # the model's forward at the last position, compiled a shape at a time
+    return jax.jit(partial(models.model(cfg).forward, cfg, last=1))
+
+
 def brute_force_good(task, seq, T0):
     """good [B, M]: token t of each row is in the lower half of V and in p_0's top 3 at its prefix,
     from one forward pass per prefix (no cache)."""
@@ -20,8 +25,7 @@ def brute_force_good(task, seq, T0):
     for t in range(T0, seq.shape[1]):
         pos = np.broadcast_to(np.arange(t), (seq.shape[0], t))
         with jax.default_matmul_precision("highest"):
-            fwd = models.model(task.cfg).forward
-            logits = np.asarray(fwd(task.cfg, task.weights, seq[:, :t], pos, last=1)[0])
+            logits = np.asarray(jitted_forward(task.cfg)(task.weights, seq[:, :t], pos)[0])
         chosen = logits[np.arange(len(seq)), 0, seq[:, t]]
         rank = (logits[:, 0] > chosen[:, None]).sum(-1)
         good.append((seq[:, t] < task.cfg["vocab_size"] // 2) & (rank < tasks.TEACHER_TOP))
@@ -45,8 +49,7 @@ def test_chain_reward_is_one_bit_for_the_share_of_good_tokens(cfg):
     for t in range(M):
         pos = np.broadcast_to(np.arange(seq.shape[1]), seq.shape)
         with jax.default_matmul_precision("highest"):
-            logits = np.asarray(models.model(cfg).forward(cfg, task.weights, seq, pos, last=1)[0])
-            logits = logits[:, 0]
+            logits = np.asarray(jitted_forward(cfg)(task.weights, seq, pos)[0])[:, 0]
         order = np.argsort(-logits, axis=-1, kind="stable")  # [B, V]: p_0's ranking
         top = order[:, : tasks.TEACHER_TOP]
         lower = np.where(top < V // 2, top, top[:, :1])  # a lower-half top-3 token, if any
