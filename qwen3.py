@@ -86,10 +86,10 @@ def forward(
         return x + mm("btf,fd->btd", h, lw["down"]), new
 
     # the layers. Each reads its slice of the cache and returns this call's keys and values, put
-    # in once after the scan (a cache carried through it is copied a layer); decoding unrolls the
-    # scan, so that each layer's slice of the stacked weights is read in place, not copied first
+    # in once after the scan (a cache carried through it is copied a layer); a decoded token unrolls
+    # the scan, so that each layer's slice of the stacked weights is read in place, not copied first
     cache = None if kv is None else dict(k=kv["k"], v=kv["v"])
-    x, new = jax.lax.scan(layer, x, (w["layers"], cache), unroll=kv is not None)
+    x, new = jax.lax.scan(layer, x, (w["layers"], cache), unroll=tokens.shape[1] == 1)
     if kv is not None:
         at = (0, 0, start, 0, 0)
         kv = {a: jax.lax.dynamic_update_slice(kv[a], new[a], at) for a in "kv"} | dict(pos=kpos)

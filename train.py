@@ -119,12 +119,9 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False, gr
         cache = model(cfg).init_kv(cfg, B // group, T0 + M, numerics["dtype"])
         logits, cache = fwd(w, prompt[::group], pos[::group], cache, 0, last=1)
 
-        def copies(x, axis=0):  # B / group rows along `axis` -> B: each `group` times
-            return jnp.repeat(x, group, axis)
-
         # each cache entry holds its rows on axis 1, after a layer axis; pos [B, S] on axis 0
-        cache = {name: copies(x, 0 if name == "pos" else 1) for name, x in cache.items()}
-        logits = copies(logits)  # [B, 1, V]
+        cache = {name: jnp.repeat(x, group, 0 if name == "pos" else 1) for name, x in cache.items()}
+        logits = jnp.repeat(logits, group, 0)  # [B, 1, V]
 
         # decode: a token a step, drawn from q and recorded with log q and the head of q
         def body(state):
@@ -163,14 +160,19 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False, gr
 # The train step: float32 logits, score_centering.loss, FSDP, optionally LoRA adapters
 
 
-def completion_logits(cfg, w, prompt, pos, tokens, mm=jnp.einsum):
-    """The trainer's float32 logits [B, M, V] where it predicted the completion tokens [B, M]."""
-    M = tokens.shape[1]
-    seq_pos = jnp.concatenate([pos, pos[:, -1:] + 1 + jnp.arange(M)[None, :]], 1)
-    seq = jnp.concatenate([prompt, tokens], 1)
+def completion_logits(cfg, w, prompt, pos, tokens, mm=jnp.einsum, group=1):
+    """The trainer's float32 logits [B, M, V] where it predicted the completion tokens [B, M].
+    group: the rows come in runs of `group` copies of one prompt, its forward computed once (as
+    the sampler's prefill) and its keys and values shared by the run's completions."""
+    (B, T0), M = prompt.shape, tokens.shape[1]
+    fwd = partial(model(cfg).forward, cfg, w, mm=mm)
     with jax.default_matmul_precision("highest"):  # a float32 trainer, not TF32 or bf16 passes
-        logits = model(cfg).forward(cfg, w, seq, seq_pos, mm=mm, last=M + 1)[0]
-    return logits[:, :-1] / TEMPERATURE  # position T0 - 1 + t predicts token t; the last, none
+        cache = model(cfg).init_kv(cfg, B // group, T0 + M)
+        first, cache = fwd(prompt[::group], pos[::group], cache, 0, last=1)  # predicts token 0
+        cache = {name: jnp.repeat(x, group, 0 if name == "pos" else 1) for name, x in cache.items()}
+        rest, _ = fwd(tokens, pos[:, -1:] + 1 + jnp.arange(M)[None, :], cache, T0)
+    logits = jnp.concatenate([jnp.repeat(first, group, 0), rest[:, :-1]], 1)
+    return logits / TEMPERATURE  # position T0 - 1 + t predicts token t; the last, none
 
 
 def advantage(rewards, group, baseline):  # [..., B] -> [..., B]: minus its group's mean, or raw
@@ -180,28 +182,30 @@ def advantage(rewards, group, baseline):  # [..., B] -> [..., B]: minus its grou
     return rewards - means.repeat(group, -1)
 
 
-def make_train_step(cfg, opt, micro_batch, mesh, center, correction=None, lora_scale=None):
+def make_train_step(cfg, opt, micro_batch, mesh, center, correction=None, lora_scale=None, group=1):
     """fn(params, opt_state, batch, base=None) -> (params, opt_state, metrics); params: weights, or
     LoRA adapters on the frozen `base`; batch: the sampler's record, prompt, pos [B, T0], adv [B].
     Gradients accumulate over micro-batches split over the devices, the loss a token mean over the
     batch; weights and optimizer state split as `shardings` says (LoRA adapters: whole)."""
     options = dict(center=center, correction=correction)  # all that --center changes: a keyword
+    g = group if micro_batch % group == 0 else 1  # runs of g rows: one prompt forward each
 
     def token_sum_loss(params, base, b):
         w = params if base is None else lora.attach(params, base)  # LoRA: W and its adapters
         mm = lora.matmul(lora_scale)  # x W + scale · (x lora_a) lora_b, never merged
-        logits = completion_logits(cfg, w, b["prompt"], b["pos"], b["tokens"], mm)
+        logits = completion_logits(cfg, w, b["prompt"], b["pos"], b["tokens"], mm, g)
         head = b["head_logq"], b.get("head_ids")  # the sampler's top-k log q and ids (topk 0: none)
         loss, metrics = sc.loss(
             logits, b["tokens"], b["mask"], b["adv"], b["logq"], *head, **options
         )
         return loss * b["mask"].sum(), (metrics, b["mask"].sum())  # token sums: / n_tokens below
 
-    # [B, ...] -> [passes, mb, ...], mb = micro_batch rows a pass, strided: B 8, mb 4 gives passes
-    # (0, 2, 4, 6) and (1, 3, 5, 7), so each of 2 devices (rows 0-3, 4-7) gives every pass 2 of
-    # the rows it holds, and no row moves between devices
+    # [B, ...] -> [passes, mb, ...], mb = micro_batch rows a pass, whole runs of g strided: B 8,
+    # g 2, mb 4 gives passes (0, 1, 4, 5) and (2, 3, 6, 7), so each of 2 devices (rows 0-3, 4-7)
+    # gives every pass 2 of the rows it holds, and no row moves between devices
     def micro_batches(x):
-        x = x.reshape(micro_batch, -1, *x.shape[1:]).swapaxes(0, 1)
+        x = x.reshape(micro_batch // g, -1, g, *x.shape[1:]).swapaxes(0, 1)
+        x = x.reshape(-1, micro_batch, *x.shape[3:])
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, "data")))
 
     def step(params, opt_state, batch, base=None):
@@ -317,8 +321,8 @@ def build(args, cfg, eos):
     the drift meter, the policy's weights (LoRA: merged)."""
     mesh = Mesh(np.array(jax.devices()), ("data",))
     opt = getattr(optax, args.optimizer)(args.lr)  # sgd, adam or adamw (optax's decay: 1e-4)
-    lora_scale = args.lora and args.lora_alpha / args.lora
-    loss_flags = dict(correction=harness.correction(args.correction), lora_scale=lora_scale)
+    scale = args.lora and args.lora_alpha / args.lora  # LoRA's alpha / rank
+    flags = dict(correction=harness.correction(args.correction), lora_scale=scale, group=args.group)
 
     @cache
     def samplers(kind, kv=None, state=None):  # W8A8 kind, the KV cache's kind, the state's dtype
@@ -327,10 +331,8 @@ def build(args, cfg, eos):
             numerics["state_dtype"] = STATE_DTYPES[state]
         return make_sampler(cfg, args.max_tokens, args.topk, eos, numerics, group=args.group)
 
-    steps = [
-        make_train_step(cfg, opt, args.micro_batch, mesh, c, **loss_flags) for c in (False, True)
-    ]
-    policy = jax.jit(partial(lora.merge, scale=lora_scale)) if args.lora else lora.merge
+    steps = [make_train_step(cfg, opt, args.micro_batch, mesh, c, **flags) for c in (False, True)]
+    policy = jax.jit(partial(lora.merge, scale=scale)) if args.lora else lora.merge
     greedy = make_sampler(cfg, args.max_tokens, 1, eos, greedy=True)
     prober = make_sampler(cfg, args.max_tokens, 1, eos)
     logp = jax.jit(partial(token_logp, cfg))
@@ -376,10 +378,8 @@ def run(args, task, fn, center, seed, out, prefix=""):
     def evaluate(params):
         say(f"evaluation: {len(test)} held-out prompts, greedy, {held_out} rows a call")
         tic = time.perf_counter()
-        greedy = rollouts.generate(
-            fn.greedy, copy(params), test, task.pad, key, data, held_out, say
-        )
-        acc = float(np.mean(task.reward(greedy["tokens"], greedy["mask"], golds)))
+        out = rollouts.generate(fn.greedy, copy(params), test, task.pad, key, data, held_out, say)
+        acc = float(np.mean(task.reward(out["tokens"], out["mask"], golds)))
         say(f"evaluation: score {acc:.3f}, {time.perf_counter() - tic:.0f} s")
         return dict(drift=drift(policy(params)), acc=acc)
 

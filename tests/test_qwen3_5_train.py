@@ -21,6 +21,7 @@ from helpers import _prompts, arange_pos, tiny_argv, write_gsm8k, write_tiny_qwe
 from lab import harness, hf_checkpoint, models, plan, tasks
 from test_qwen3_5 import ATOL, QWEN3_5_0_8B, reference, torch_logits
 from test_sampler import assert_a_group_prefilled_once_samples_as_each
+from test_train_step import assert_a_group_shares_its_prompts_forward
 
 END_OF_TEXT, IM_END = 275, 277  # the tiny tokenizer's <|endoftext|> and <|im_end|>
 
@@ -127,6 +128,12 @@ def test_qwen3_5_group_prefilled_once_samples_as_rows_prefilled_each(tiny35):
     rows, which sample and record what rows prefilled one by one do (int8 W8A8 with an int4 KV cache
     and a bf16 state: every entry of the cache)."""
     assert_a_group_prefilled_once_samples_as_each(tiny35, 2, 12, "int8", "int4", jnp.bfloat16)
+
+
+def test_the_trainer_shares_a_prompts_forward_with_its_group(tiny35):
+    """The prompt's conv window, state, K and V computed once and shared by its 4 rows: the
+    trainer's logits and step are those of one pass over each row."""
+    assert_a_group_shares_its_prompts_forward(tiny35, 2, 12)
 
 
 def test_w8a8_quantises_every_matmul_weight_of_both_kinds_of_layer(tiny35):

@@ -503,7 +503,7 @@ def uncentred_step(correction):
     task = tasks.sequence_task(0, 8, 8)
     fn = train.build(args, task.cfg, task.eos)
     w_sampler = train.sampler_weights(task.weights, "int8")
-    prompts = [p for p, _ in task.train[:8]]
+    prompts = [task.train[i // 4][0] for i in range(8)]  # 2 prompts, 4 rows each, as a run's
     data = NamedSharding(fn.mesh, PartitionSpec("data"))
     batch = rollouts.generate(
         fn.samplers(args.sampler), w_sampler, prompts, 0, jax.random.PRNGKey(3), data, 8
@@ -598,10 +598,45 @@ def test_lora_train_step_and_sampler_merge_with_the_same_alpha_over_rank():
         task.cfg, args.max_tokens, args.topk, task.eos, dict(dtype=jnp.float32, kv_quant=None)
     )
     data = NamedSharding(fn.mesh, PartitionSpec("data"))
-    prompts = [p for p, _ in task.train[:8]]
+    prompts = [task.train[i // 4][0] for i in range(8)]  # 2 prompts, 4 rows each, as a run's
     batch = rollouts.generate(sampler, merged, prompts, 0, jax.random.PRNGKey(3), data, 8)
     batch["adv"] = np.linspace(-1, 1, 8).astype(np.float32)
     _, _, m = fn.steps[True](params, fn.opt.init(params), jax.device_put(batch, data), task.weights)
     # a float32 sampler's log q is the trainer's log p to <= 1e-4 a token (the zero-mismatch test):
     # measured kl_q_p 8e-9, logprob_gap 1.1e-7; the step merging with scale 8, not 4: 3.5 and 3.6
     assert abs(float(m["kl_q_p"])) < 1e-4 and float(m["logprob_gap"]) < 1e-4, m
+
+
+def assert_a_group_shares_its_prompts_forward(model, n, M):
+    """n prompts of unequal lengths, each 4 times, sampled: the trainer's logits with group=4 (a
+    prompt's forward once, its keys and values shared by its 4 rows) are one plain pass over each
+    row's prompt and completion, and a step at group=4, one group a micro-batch, moves the weights
+    as one step of the whole batch at group=1."""
+    cfg, w = model.cfg, model.weights
+    prompt, pos = (np.repeat(x, 4, 0) for x in _prompts(model.tokenizer, n))  # [4n, T0]
+    out = train.make_sampler(cfg, M, 8, STOP, group=4)(
+        train.sampler_weights(w, "bf16"), prompt, pos, jax.random.PRNGKey(2)
+    )
+    seq = jnp.concatenate([prompt, out["tokens"]], 1)
+    seq_pos = jnp.concatenate([pos, pos[:, -1:] + 1 + np.arange(M)], 1)
+    with jax.default_matmul_precision("highest"):
+        one_pass = train.model(cfg).forward(cfg, w, seq, seq_pos, last=M + 1)[0][:, :-1]
+    shared = train.completion_logits(cfg, w, prompt, pos, out["tokens"], group=4)
+    np.testing.assert_allclose(shared, one_pass, atol=1e-4)  # |logits| <= 15; apart: <= 5e-6
+
+    batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 4 * n))
+    mesh, opt = Mesh(np.array(jax.devices()[:1]), ("data",)), optax.sgd(1.0)
+    whole, grouped = (
+        train.make_train_step(cfg, opt, mb, mesh, center=True, group=g)(
+            jax.tree.map(jnp.copy, w), opt.init(w), batch
+        )[0]
+        for mb, g in ((4 * n, 1), (4, 4))
+    )
+    # reduction order alone (micro-batches of 8, 4, 2, 1 rows at group=1) moved the weights
+    # (|w| <= 2) by <= 1.8e-6 (Qwen3.5; Qwen3: 1.2e-7); the step moves them by 0.1 to 0.3
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(grouped), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_a_group_shares_its_prompts_forward_in_the_train_step(tiny):
+    assert_a_group_shares_its_prompts_forward(tiny, 3, 12)
