@@ -54,9 +54,8 @@ def main(argv, train):
     )
     rewards = np.asarray(task.reward(batch["tokens"], batch["mask"], golds), np.float32)
     batch["adv"] = train.advantage(rewards, args.group, args.baseline)
-    step = fn.steps[args.center]
 
-    def train_step(batch):
+    def train_step(batch, step=fn.steps[args.center]):
         copy = jax.tree.map(jnp.copy, (params, opt_state))  # the step donates its inputs
         return step(*copy, jax.device_put(batch, data), base)
 
@@ -66,6 +65,12 @@ def main(argv, train):
     for M in range(32, args.max_tokens + 1, 32):
         cut = {k: x if k in ("prompt", "pos", "adv") else x[:, :M] for k, x in batch.items()}
         timed(f"train step, M {M}", lambda cut=cut: train_step(cut))
+    # and at M 32 with each row's prompt computed on its own, as before a group shared it
+    flags = dict(correction=harness.correction(args.correction), group=1)
+    flags["lora_scale"] = args.lora and args.lora_alpha / args.lora
+    alone = train.make_train_step(task.cfg, fn.opt, args.micro_batch, fn.mesh, args.center, **flags)
+    cut = {k: x if k in ("prompt", "pos", "adv") else x[:, :32] for k, x in batch.items()}
+    timed("train step, M 32, a prompt a row", lambda: train_step(cut, alone))
     test = [p for p, _ in task.test]
     held_out = rows * math.ceil(min(len(test), 512) / rows)  # as train.run's evaluation
     timed(
