@@ -162,8 +162,9 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False, gr
 
 def completion_logits(cfg, w, prompt, pos, tokens, mm=jnp.einsum, group=1):
     """The trainer's float32 logits [B, M, V] where it predicted the completion tokens [B, M].
-    group: the rows come in runs of `group` copies of one prompt, its forward computed once (as
-    the sampler's prefill) and its keys and values shared by the run's completions."""
+    group: the rows come in runs of `group` copies of one prompt (unchecked: a run's rows get its
+    first row's prompt), whose forward is computed once, as the sampler's prefill, and its cache
+    (K and V; Qwen3.5: conv window and state too) shared by the run's completions."""
     (B, T0), M = prompt.shape, tokens.shape[1]
     fwd = partial(model(cfg).forward, cfg, w, mm=mm)
     with jax.default_matmul_precision("highest"):  # a float32 trainer, not TF32 or bf16 passes
@@ -171,8 +172,8 @@ def completion_logits(cfg, w, prompt, pos, tokens, mm=jnp.einsum, group=1):
         first, cache = fwd(prompt[::group], pos[::group], cache, 0, last=1)  # predicts token 0
         cache = {name: jnp.repeat(x, group, 0 if name == "pos" else 1) for name, x in cache.items()}
         rest, _ = fwd(tokens, pos[:, -1:] + 1 + jnp.arange(M)[None, :], cache, T0)
-    logits = jnp.concatenate([jnp.repeat(first, group, 0), rest[:, :-1]], 1)
-    return logits / TEMPERATURE  # position T0 - 1 + t predicts token t; the last, none
+    # position T0 - 1 + t predicts token t; the last token's, none
+    return jnp.concatenate([jnp.repeat(first, group, 0), rest[:, :-1]], 1) / TEMPERATURE
 
 
 def advantage(rewards, group, baseline):  # [..., B] -> [..., B]: minus its group's mean, or raw
@@ -184,25 +185,23 @@ def advantage(rewards, group, baseline):  # [..., B] -> [..., B]: minus its grou
 
 def make_train_step(cfg, opt, micro_batch, mesh, center, correction=None, lora_scale=None, group=1):
     """fn(params, opt_state, batch, base=None) -> (params, opt_state, metrics); params: weights, or
-    LoRA adapters on the frozen `base`; batch: the sampler's record, prompt, pos [B, T0], adv [B].
-    Gradients accumulate over micro-batches split over the devices, the loss a token mean over the
-    batch; weights and optimizer state split as `shardings` says (LoRA adapters: whole)."""
-    options = dict(center=center, correction=correction)  # all that --center changes: a keyword
-    g = group if micro_batch % group == 0 else 1  # runs of g rows: one prompt forward each
+    LoRA adapters on the frozen `base`; batch: the sampler's record, prompt, pos [B, T0], adv [B],
+    its rows in runs of `group` copies of a prompt. Gradients accumulate over micro-batches split
+    over the devices, the loss a token mean over the batch; weights and optimizer state split as
+    `shardings` says (LoRA adapters: whole)."""
+    flags = dict(center=center, correction=correction)  # all that --center changes: a keyword
+    g = math.gcd(group, micro_batch // mesh.size)  # runs of g copies, on one device: one forward
 
     def token_sum_loss(params, base, b):
         w = params if base is None else lora.attach(params, base)  # LoRA: W and its adapters
         mm = lora.matmul(lora_scale)  # x W + scale · (x lora_a) lora_b, never merged
         logits = completion_logits(cfg, w, b["prompt"], b["pos"], b["tokens"], mm, g)
         head = b["head_logq"], b.get("head_ids")  # the sampler's top-k log q and ids (topk 0: none)
-        loss, metrics = sc.loss(
-            logits, b["tokens"], b["mask"], b["adv"], b["logq"], *head, **options
-        )
+        loss, metrics = sc.loss(logits, b["tokens"], b["mask"], b["adv"], b["logq"], *head, **flags)
         return loss * b["mask"].sum(), (metrics, b["mask"].sum())  # token sums: / n_tokens below
 
-    # [B, ...] -> [passes, mb, ...], mb = micro_batch rows a pass, whole runs of g strided: B 8,
-    # g 2, mb 4 gives passes (0, 1, 4, 5) and (2, 3, 6, 7), so each of 2 devices (rows 0-3, 4-7)
-    # gives every pass 2 of the rows it holds, and no row moves between devices
+    # [B, ...] -> [passes, mb, ...]: whole runs of g rows strided (B 8, g 2, mb 4: rows 0, 1, 4, 5,
+    # then 2, 3, 6, 7), so each device gives every pass rows it holds: none moves between devices
     def micro_batches(x):
         x = x.reshape(micro_batch // g, -1, g, *x.shape[1:]).swapaxes(0, 1)
         x = x.reshape(-1, micro_batch, *x.shape[3:])

@@ -608,10 +608,11 @@ def test_lora_train_step_and_sampler_merge_with_the_same_alpha_over_rank():
 
 
 def assert_a_group_shares_its_prompts_forward(model, n, M):
-    """n prompts of unequal lengths, each 4 times, sampled: the trainer's logits with group=4 (a
-    prompt's forward once, its keys and values shared by its 4 rows) are one plain pass over each
-    row's prompt and completion, and a step at group=4, one group a micro-batch, moves the weights
-    as one step of the whole batch at group=1."""
+    """n prompts (n even) of unequal lengths, each 4 times, sampled: the trainer's logits with
+    group=4 (a prompt's forward once, its cache shared by its 4 rows) are one plain pass over each
+    row's prompt and completion; and a step at group=4 moves the weights as one step of the whole
+    batch at group=1, on 1 device with a group a micro-batch, and on 4 with micro-batches of 8 rows
+    (runs of 2 rows on each device)."""
     cfg, w = model.cfg, model.weights
     prompt, pos = (np.repeat(x, 4, 0) for x in _prompts(model.tokenizer, n))  # [4n, T0]
     out = train.make_sampler(cfg, M, 8, STOP, group=4)(
@@ -625,18 +626,19 @@ def assert_a_group_shares_its_prompts_forward(model, n, M):
     np.testing.assert_allclose(shared, one_pass, atol=1e-4)  # |logits| <= 15; apart: <= 5e-6
 
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 4 * n))
-    mesh, opt = Mesh(np.array(jax.devices()[:1]), ("data",)), optax.sgd(1.0)
-    whole, grouped = (
-        train.make_train_step(cfg, opt, mb, mesh, center=True, group=g)(
+    opt = optax.sgd(1.0)
+    whole, *grouped = (
+        train.make_train_step(cfg, opt, mb, Mesh(jax.devices()[:d], ("data",)), True, group=g)(
             jax.tree.map(jnp.copy, w), opt.init(w), batch
         )[0]
-        for mb, g in ((4 * n, 1), (4, 4))
+        for mb, g, d in ((4 * n, 1, 1), (4, 4, 1), (8, 4, 4))
     )
     # reduction order alone (micro-batches of 8, 4, 2, 1 rows at group=1) moved the weights
     # (|w| <= 2) by <= 1.8e-6 (Qwen3.5; Qwen3: 1.2e-7); the step moves them by 0.1 to 0.3
-    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(grouped), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+    for step in grouped:
+        for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(step), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_a_group_shares_its_prompts_forward_in_the_train_step(tiny):
-    assert_a_group_shares_its_prompts_forward(tiny, 3, 12)
+    assert_a_group_shares_its_prompts_forward(tiny, 4, 12)
