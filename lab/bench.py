@@ -7,14 +7,13 @@
 The programs a table compares run in one process, in --repeats rounds of a call each, back to back:
 a figure is the median of its own calls, an x_ column the median of the rounds' ratios, compile_s
 the first call's excess. Sampler (T0 prompt, M new tokens, k top-k; k 1: plain sampling): ms_step =
-(t(M) - t(1)) / (M - 1), prefill = t(1) - ms_step, of_bw = the bytes a decode step reads (weights,
-K and V) / ms_step / bandwidth. Train (SGD, on the int8 sampler's rollouts): MFU = model FLOPs (3 x
-the forward) / s_step / peak FLOP/s.
+(t(M) - t(1)) / (M - 1), prefill = t(1) - ms_step, of_bw = the bytes a decode step moves (weights,
+K and V; Qwen3.5: conv window and state) / ms_step / bandwidth. Train (SGD, on the int8 sampler's
+rollouts, each row's prompt its own): MFU = model FLOPs (3 x the forward) / s_step / peak FLOP/s.
 """
 
 import argparse
 import json
-import math
 import os
 import resource
 import statistics
@@ -23,12 +22,13 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import qwen3
 from lab import hf_checkpoint, tasks
 from lab.devices import shardings
+from lab.models import model
 
 QWEN3_06B = dict(  # Qwen3-0.6B's config
     model_type="qwen3",
@@ -103,24 +103,14 @@ def peaks(repeats):  # (FLOP/s, bytes/s, where from): the table's, or measured
     return flops, 2 * x[0].nbytes / statistics.median(times["copy"]), "measured"
 
 
-def random_weights(cfg, key, input_axes):  # float32: N(0, 1/fan-in) matrices, unit norm weights
-    top, layers = qwen3.layout(cfg)
-    L = cfg["num_hidden_layers"]
-    shapes = {name: s for name, (_, _, s) in top.items()}
-    shapes |= {name: (L, *s) for name, (_, _, s) in layers.items()}  # a layer's: L first
-    w = {}
-    for i, (name, shape) in enumerate(shapes.items()):
-        fan_in = math.prod(shape[a] for a in input_axes.get(name, ()))
-        normal = jax.random.normal(jax.random.fold_in(key, i), shape) * fan_in**-0.5
-        w[name] = normal if name in input_axes else jnp.ones(shape)  # a norm's: ones
-    return {name: w[name] for name in top} | dict(layers={name: w[name] for name in layers})
-
-
-def decode_bytes(w, B, T0, M):  # what a decode step must read: every layer weight, the head, K, V
-    L, _, K, H = w["layers"]["k"].shape
-    head = w.get("lm_head", w["embed"])  # the embedding lookup reads B rows: not counted
-    weights = sum(x.nbytes for x in jax.tree.leaves(w["layers"])) + head.nbytes
-    return weights + 2 * L * B * (T0 + M) * K * H * 2  # K and V: the whole bf16 cache, every step
+def decode_bytes(w, cache):
+    """What a decode step moves: every weight, the head, the whole cache (K and V; Qwen3.5's conv
+    window, and its state, read and written back); of the embedding, when not the head, B rows:
+    not counted. cache: init_kv's arrays or their shapes."""
+    lookup = w["embed"].nbytes if "lm_head" in w else 0  # the embedding, when only looked up
+    weights = sum(x.nbytes for x in jax.tree.leaves(w)) - lookup
+    cache = {name: x.size * x.dtype.itemsize for name, x in cache.items() if name != "pos"}
+    return weights + sum(cache.values()) + cache.get("state", 0)
 
 
 def sampler_rows(B, T0, M, first, times, read, bandwidth, peak):  # seconds of [kind, k, m]
@@ -161,15 +151,23 @@ def time_sampler(train, cfg, sampler_w, prompt, pos, args, bandwidth):  # sample
             fn = train.make_sampler(cfg, m, k, (-1,), dict(mm=train.quant_mm(kind)))
             calls[kind, k, m] = partial(fn, sampler_w[kind], prompt, pos, jax.random.PRNGKey(0))
     first, times = timed_rounds(calls, args.repeats)
-    read = decode_bytes(sampler_w["bf16"], B, T0, M)  # int8: fake-quantised, the same bf16 bytes
+    cache = jax.eval_shape(partial(model(cfg).init_kv, cfg, B, T0 + M, jnp.bfloat16))
+    read = decode_bytes(sampler_w["bf16"], cache)  # int8: fake-quantised, the same bf16 bytes
     return sampler_rows(B, T0, M, first, times, read, bandwidth, peak_gib())
 
 
-def train_flops(w, B, T0, M):  # 3 x the forward: matmuls, the head at M + 1 positions, attention
-    T = T0 + M
-    L, _, N, H = w["layers"]["q"].shape
-    matmul = sum(x.size for x in w["layers"].values() if x.ndim > 2)  # [L, inputs, outputs]
-    return 3 * B * (2 * T * matmul + 2 * (M + 1) * w["embed"].size + 4 * L * T * T * N * H)
+def train_flops(cfg, w, B, T0, M):
+    """3 x the forward: the matmuls (Qwen3.5's depthwise conv: as many), the head at M + 1
+    positions, attention's scores and mix; Qwen3.5's delta rule as its recurrence computes it (a
+    token: M^T k, the write, q^T M, each 2·E·Y a value head), not as its chunks do."""
+    T, stacks = T0 + M, [s for s in w.values() if isinstance(s, dict)]
+    matmul = sum(x.size for s in stacks for x in s.values() if x.ndim > 2)  # [L, inputs, outputs]
+    L, N, H, _ = next(s["o"] for s in stacks if "o" in s).shape  # the attention layers'
+    forward = 2 * T * matmul + 2 * (M + 1) * w["embed"].size + 4 * L * T * T * N * H
+    if "linear" in w:
+        n, U, Y, _ = w["linear"]["out"].shape
+        forward += 6 * T * n * U * cfg["linear_key_head_dim"] * Y
+    return 3 * B * forward
 
 
 def train_rows(k, B, T, flops, first, times, peak_flops, peak):  # seconds of [center]
@@ -207,7 +205,7 @@ def time_train(train, cfg, w, batch, k, mesh, args, peak_flops):
         params = jax.tree.map(jnp.copy, jax.device_put(w, shardings(w, mesh)))  # donated
         calls[center] = partial(one_step, step, [params, opt.init(params)], batch)
     first, times = timed_rounds(calls, args.repeats)
-    flops = train_flops(w, B, T0, M)
+    flops = train_flops(cfg, w, B, T0, M)
     return train_rows(k, B, T0 + M, flops, first, times, peak_flops, peak_gib())
 
 
@@ -224,9 +222,9 @@ def show(rows):  # a fixed-width table headed by the keys, numbers to 3 signific
 def parse_args(argv=None):  # the flags and the model's config; a mistake: one line, no compile
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # the model: Qwen3-0.6B's shape unless told otherwise
-    model = p.add_mutually_exclusive_group()
-    model.add_argument("--tiny", action="store_true", help="the sequence task's model")
-    model.add_argument("--config", help="a Hugging Face config.json: that Qwen3's or Llama's shape")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--tiny", action="store_true", help="the sequence task's model")
+    which.add_argument("--config", help="a Hugging Face config.json: its Qwen3, Llama or Qwen3.5")
     # the work
     p.add_argument("--batch", default="1,4", help="sampler rows B, comma-separated (default 1,4)")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens T0 (default 16)")
@@ -262,7 +260,7 @@ def main(argv, train):
     print(f"{source}: {peak_flops / 1e12:.3g} TFLOP/s, {bandwidth / 1e9:.3g} GB/s", flush=True)
 
     # weights, prompts
-    w = random_weights(cfg, key, train.INPUT_AXES)
+    w = tasks.init(cfg, np.random.default_rng(0))  # random: N(0, 1/fan-in) matrices
     sampler_w = {kind: train.sampler_weights(w, kind) for kind in ("bf16", "int8")}
     n = max(*args.batch, args.rows)  # random prompts [n, T0], positions from 0
     prompt = jax.random.randint(key, (n, args.prompt), 0, cfg["vocab_size"])

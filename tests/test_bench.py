@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lab import bench
+import qwen3_5
+from lab import bench, tasks
 
 
 def test_bench_rounds_alternate_after_compiling_and_warming_up():
@@ -117,11 +118,26 @@ def test_bench_decode_reads_weights_head_and_both_k_and_v():
     )
     w = dict(embed=jnp.zeros((16, 8), jnp.bfloat16), norm=jnp.zeros(8), layers=layers)
     # B 3, T0 5, M 2: a cache of 7 positions, K and V each 2 x 3 x 7 x 1 x 4 numbers
+    cache = dict(k=jnp.zeros((2, 3, 7, 1, 4), jnp.bfloat16), pos=jnp.zeros((3, 7), jnp.int32))
+    cache["v"] = cache["k"]
     kv = 2 * (2 * 3 * 7 * 1 * 4) * 2
     assert kv == 672
-    assert bench.decode_bytes(w, 3, 5, 2) == (128 + 64 + 16) * 2 + 16 * 8 * 2 + kv
+    # the layers, the final norm (float32), the head (tied: the embedding), K and V
+    assert bench.decode_bytes(w, cache) == (128 + 64 + 16) * 2 + 8 * 4 + 16 * 8 * 2 + kv
     untied = dict(w, lm_head=jnp.zeros((8, 16)))  # the head read instead of the embedding: float32
-    assert bench.decode_bytes(untied, 3, 5, 2) == (128 + 64 + 16) * 2 + 16 * 8 * 4 + kv
+    assert bench.decode_bytes(untied, cache) == (128 + 64 + 16) * 2 + 8 * 4 + 16 * 8 * 4 + kv
+
+
+def test_bench_decode_reads_qwen3_5s_conv_window_and_float32_state():
+    """tasks.HYBRID (3 linear layers: J 2, E 16, U 4, Y 16, kernel 4; 1 full: K 2, H 16) at B 3,
+    T0 5, M 2, its cache's shapes as the bf16 sampler makes it, counted by hand."""
+    cfg = tasks.HYBRID
+    cache = jax.eval_shape(partial(qwen3_5.init_kv, cfg, 3, 7, jnp.bfloat16))
+    conv = 3 * 3 * (4 - 1) * (2 * 2 * 16 + 4 * 16) * 2  # the last 3 inputs of C = 128 channels
+    state = 2 * 3 * 3 * 4 * 16 * 16 * 4  # float32, whatever the sampler's dtype: read and written
+    kv = 2 * 1 * 3 * 7 * 2 * 16 * 2
+    w = dict(embed=jnp.zeros((1024, 64), jnp.bfloat16))  # the head, and no other weight
+    assert bench.decode_bytes(w, cache) == 1024 * 64 * 2 + conv + state + kv
 
 
 def test_bench_train_flops_are_three_forwards():
@@ -140,7 +156,20 @@ def test_bench_train_flops_are_three_forwards():
     matmul = 128 + 64 + 64 + 128 + 256 + 256 + 256  # the norm is no matmul
     forward = 2 * 7 * matmul + 2 * 3 * (32 * 8) + 4 * 2 * 7 * 7 * 2 * 4  # a row
     assert forward == 16128 + 1536 + 3136
-    assert bench.train_flops(w, 3, 5, 2) == 3 * 3 * forward  # forward, and backward's 2 x
+    assert bench.train_flops({}, w, 3, 5, 2) == 3 * 3 * forward  # forward, and backward's 2 x
+
+
+def test_bench_train_flops_of_qwen3_5_count_both_kinds_of_layer():
+    """tasks.HYBRID (D 64, F 128, V 1,024; 3 linear layers: J 2, E 16, U 4, Y 16, C 128, kernel 4;
+    1 full: N 4 (q and its gate), K 2, H 16) at B 2, T0 6, M 4 (T 10), counted by hand."""
+    w = jax.eval_shape(partial(tasks.init, tasks.HYBRID, np.random.default_rng(0)))
+    mlp = 3 * 64 * 128
+    linear = 64 * 128 + 64 * 4 * 16 + 2 * 64 * 4 + 4 * 128 + 4 * 16 * 64 + mlp  # qkv z b a conv out
+    full = 64 * 4 * 32 + 2 * 64 * 2 * 16 + 4 * 16 * 64 + mlp  # q (with its gate), k, v, o
+    forward = 2 * 10 * (3 * linear + full) + 2 * 5 * 1024 * 64  # matmuls, the head at M + 1
+    forward += 4 * 1 * 10 * 10 * 4 * 16  # one full layer's scores and mix
+    forward += 6 * 10 * 3 * 4 * 16 * 16  # the delta rule: M^T k, the write, q^T M a value head
+    assert bench.train_flops(tasks.HYBRID, w, 2, 6, 4) == 3 * 2 * forward
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,12 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import train
 from helpers import LLAMA, tiny_argv, write_gsm8k, write_tiny_checkpoint
-from lab import bench, hf_checkpoint
+from lab import bench, hf_checkpoint, tasks
 
 
 def test_tiny_llama_runs_grpo_and_saves_a_llama(tmp_path):
@@ -92,7 +93,7 @@ def test_a_checkpoint_without_a_chat_template_is_refused_before_training(tmp_pat
 def test_bench_takes_a_llama_config_and_builds_it_without_qk_norm(tmp_path, llama_cfg, capsys):
     (tmp_path / "config.json").write_text(json.dumps(llama_cfg))
     args, cfg = bench.parse_args(["--config", str(tmp_path / "config.json")])
-    w = bench.random_weights(cfg, jax.random.PRNGKey(0), train.INPUT_AXES)
+    w = tasks.init(cfg, np.random.default_rng(0))  # as lab.bench makes them
     L, D, N, H = (
         cfg[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim")
     )
