@@ -169,7 +169,8 @@ def completion_logits(cfg, w, prompt, pos, tokens, mm=jnp.einsum, group=1):
     fwd = partial(model(cfg).forward, cfg, w, mm=mm)
     with jax.default_matmul_precision("highest"):  # a float32 trainer, not TF32 or bf16 passes
         cache = model(cfg).init_kv(cfg, B // group, T0 + M)
-        first, cache = fwd(prompt[::group], pos[::group], cache, 0, last=1)  # predicts token 0
+        runs = [x.reshape(B // group, group, T0)[:, 0] for x in (prompt, pos)]  # a run's first row
+        first, cache = fwd(*runs, cache, 0, last=1)  # predicts token 0
         cache = {name: jnp.repeat(x, group, 0 if name == "pos" else 1) for name, x in cache.items()}
         rest, _ = fwd(tokens, pos[:, -1:] + 1 + jnp.arange(M)[None, :], cache, T0)
     # position T0 - 1 + t predicts token t; the last token's, none
