@@ -36,13 +36,13 @@ from lab import compare, harness, hf_checkpoint, lora, plan, rollouts, tasks
 from lab.devices import host, shardings
 from lab.models import INPUT_AXES, model  # the weights' input axes; the model cfg names
 
-TEMPERATURE = 1.0  # the sampler's; the recorded log q is the post-temperature distribution
-# the sampler's weights and activations (W8A8: the stored values); float32: the trainer's numerics
+TEMPERATURE = 1.0  # q's and p's (completion_logits divides by it too); log q recorded after it
+# the sampler's weights and activations (W8A8: the stored values); float32: the trainer's dtype
 SAMPLER_DTYPES = dict(float32=jnp.float32, bf16=jnp.bfloat16, int8=jnp.bfloat16, fp8=jnp.bfloat16)
 STATE_DTYPES = dict(bf16=jnp.bfloat16, fp16=jnp.float16)  # --state-dtype: Qwen3.5's, not float32
 
 # -------------------------------------------------------------------------------------------------
-# The sampler: a bf16 copy of the weights, its own numerics; KV-cache decoding that records q
+# The sampler: a copy of the weights in its own numerics; KV-cache decoding that records q
 
 
 QMAX = dict(int8=127.0, int4=7.0, fp8=448.0)  # the largest magnitude each format holds
@@ -163,8 +163,8 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False, gr
 def completion_logits(cfg, w, prompt, pos, tokens, mm=jnp.einsum, group=1):
     """The trainer's float32 logits [B, M, V] where it predicted the completion tokens [B, M].
     group: the rows come in runs of `group` copies of one prompt (unchecked: a run's rows get its
-    first row's prompt), whose forward is computed once, as the sampler's prefill, and its cache
-    (K and V; Qwen3.5: conv window and state too) shared by the run's completions."""
+    first row's prompt), whose forward runs once, as the sampler's prefill, its cache (K, V; Qwen3.5
+    conv window, state) repeated to the run's rows: repeat's backward sums their gradients."""
     (B, T0), M = prompt.shape, tokens.shape[1]
     fwd = partial(model(cfg).forward, cfg, w, mm=mm)
     with jax.default_matmul_precision("highest"):  # a float32 trainer, not TF32 or bf16 passes
@@ -173,7 +173,7 @@ def completion_logits(cfg, w, prompt, pos, tokens, mm=jnp.einsum, group=1):
         first, cache = fwd(*runs, cache, 0, last=1)  # predicts token 0
         cache = {name: jnp.repeat(x, group, 0 if name == "pos" else 1) for name, x in cache.items()}
         rest, _ = fwd(tokens, pos[:, -1:] + 1 + jnp.arange(M)[None, :], cache, T0)
-    # position T0 - 1 + t predicts token t; the last token's, none
+    # position T0 - 1 + t predicts token t: first, then the rest's but the last token's
     return jnp.concatenate([jnp.repeat(first, group, 0), rest[:, :-1]], 1) / TEMPERATURE
 
 
@@ -191,7 +191,7 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, correction=None, lora_s
     over the devices, the loss a token mean over the batch; weights and optimizer state split as
     `shardings` says (LoRA adapters: whole)."""
     flags = dict(center=center, correction=correction)  # all that --center changes: a keyword
-    g = math.gcd(group, micro_batch // mesh.size)  # runs of g copies, on one device: one forward
+    g = math.gcd(group, micro_batch // mesh.size)  # a prompt forward a run, on one device
 
     def token_sum_loss(params, base, b):
         w = params if base is None else lora.attach(params, base)  # LoRA: W and its adapters
@@ -202,7 +202,7 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, correction=None, lora_s
         return loss * b["mask"].sum(), (metrics, b["mask"].sum())  # token sums: / n_tokens below
 
     # [B, ...] -> [passes, mb, ...]: whole runs of g rows strided (B 8, g 2, mb 4: rows 0, 1, 4, 5,
-    # then 2, 3, 6, 7), so each device gives every pass rows it holds: none moves between devices
+    # then 2, 3, 6, 7); the batch comes in contiguous blocks a device: a pass takes rows each holds
     def micro_batches(x):
         x = x.reshape(micro_batch // g, -1, g, *x.shape[1:]).swapaxes(0, 1)
         x = x.reshape(-1, micro_batch, *x.shape[3:])
@@ -215,15 +215,15 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, correction=None, lora_s
 
         def accumulate(grads, b):
             loss_grad = jax.value_and_grad(token_sum_loss, has_aux=True)
-            (loss, (metrics, tokens)), g = loss_grad(params, base, b)
-            return keep(jax.tree.map(jnp.add, grads, g)), (loss, metrics, tokens)
+            (loss, (metrics, tokens)), dg = loss_grad(params, base, b)
+            return keep(jax.tree.map(jnp.add, grads, dg)), (loss, metrics, tokens)
 
         # gradients: token sums over the micro-batches, divided by the batch's trained tokens
         zeros = keep(jax.tree.map(jnp.zeros_like, params))
         parts = jax.tree.map(micro_batches, batch)
         grads, (loss, metrics, tokens) = jax.lax.scan(accumulate, zeros, parts)  # tokens a pass
         n_tokens = jnp.maximum(tokens.sum(), 1)
-        grads = jax.tree.map(lambda g: g / n_tokens, grads)
+        grads = jax.tree.map(lambda dg: dg / n_tokens, grads)
 
         # the optimizer's update, and the metrics' token means over the batch
         updates, new_state = opt.update(grads, opt_state, params)
