@@ -333,7 +333,7 @@ def build(args, cfg, eos):
 
     steps = [make_train_step(cfg, opt, args.micro_batch, mesh, c, **flags) for c in (False, True)]
     policy = jax.jit(partial(lora.merge, scale=scale)) if args.lora else lora.merge
-    greedy = make_sampler(cfg, args.max_tokens, 1, eos, greedy=True)
+    greedy = rollouts.remembered(make_sampler(cfg, args.max_tokens, 1, eos, greedy=True))
     prober = make_sampler(cfg, args.max_tokens, 1, eos)
     logp = jax.jit(partial(token_logp, cfg))
     return Programs(mesh, opt, policy, steps, samplers, greedy, prober, logp)
@@ -375,10 +375,10 @@ def run(args, task, fn, center, seed, out, prefix=""):
     # rows a greedy call: the held-out set (up to 512 of it) in one, rounded up to a multiple of P·G
     held_out = rows * math.ceil(min(len(test), 512) / rows)
 
-    def evaluate(params):
+    def evaluate(params):  # greedy, no key: weights equal to a bit score once (fn.greedy remembers)
         say(f"evaluation: {len(test)} held-out prompts, greedy, {held_out} rows a call")
         tic = time.perf_counter()
-        out = rollouts.generate(fn.greedy, copy(params), test, task.pad, key, data, held_out, say)
+        out = rollouts.generate(fn.greedy, copy(params), test, task.pad, None, data, held_out, say)
         acc = float(np.mean(task.reward(out["tokens"], out["mask"], golds)))
         say(f"evaluation: score {acc:.3f}, {time.perf_counter() - tic:.0f} s")
         return dict(drift=drift(policy(params)), acc=acc)

@@ -299,3 +299,29 @@ def test_weight_noise_is_the_same_at_every_refresh(monkeypatch):
     eps = [(copy / w - 1) / 0.1 for w, copy in copies]
     assert not np.array_equal(copies[0][0], copies[1][0])  # the weights moved in between
     assert np.corrcoef(eps[0].ravel(), eps[1].ravel())[0, 1] > 0.9
+
+
+def test_a_remembered_call_runs_again_only_when_an_input_differs_by_a_bit_dtype_or_shape():
+    """rollouts.remembered (the held-out score at step 0, computed once in a --compare): equal
+    copies of the inputs reuse the first result; a flipped bit, another dtype with the same bytes,
+    or another shape of the same bytes is a new call."""
+    calls = []
+
+    def fn(w, x):
+        calls.append(1)
+        return {"y": np.asarray(w["a"]).sum() + np.asarray(x).sum()}
+
+    f = rollouts.remembered(fn)
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    first = f({"a": jnp.asarray(a)}, jnp.zeros(2, jnp.float32))
+    assert f({"a": jnp.asarray(a.copy())}, jnp.zeros(2, jnp.float32)) is first and len(calls) == 1
+    flipped = a.copy()
+    flipped.view(np.uint32)[0, 0] ^= 1  # 0.0 -> the smallest subnormal
+    others = [
+        ({"a": jnp.asarray(flipped)}, jnp.zeros(2, jnp.float32)),
+        ({"a": jnp.asarray(a)}, jnp.zeros(2, jnp.int32)),  # the same bytes as float32 zeros
+        ({"a": jnp.asarray(a.reshape(3, 2))}, jnp.zeros(2, jnp.float32)),
+    ]
+    for n, inputs in enumerate(others, 2):
+        f(*inputs)
+        assert len(calls) == n, inputs
