@@ -49,14 +49,31 @@ def recurrent_delta_rule(q, k, v, g, beta, M, state_dtype):
     return jnp.einsum("bue,buey->buy", q, M), M.astype(state_dtype).astype(F32)
 
 
+@jax.custom_vjp
 def unit_lower_solve(A, x):
     """(I + A)^-1 x for A strictly lower triangular [..., t, s], by forward substitution a row a
-    step: LAPACK's triangular solve's backward pass hangs XLA's CPU runtime on several devices."""
+    step (LAPACK's triangular solve's backward pass hangs XLA's CPU runtime on several devices).
+    Its backward pass is the transposed solve: the loop's own would keep x at every row."""
 
     def row(i, x):  # x_i <- x_i - Σ_s<i A[i, s] x_s, the rows before i already solved
         return x.at[..., i, :].add(-jnp.einsum("...s,...sy->...y", A[..., i, :], x))
 
     return jax.lax.fori_loop(0, A.shape[-1], row, x)
+
+
+def solve_forward(A, x):  # u and what the backward pass keeps: A and u
+    u = unit_lower_solve(A, x)
+    return u, (A, u)
+
+
+def solve_backward(kept, du):  # u = (I + A)^-1 x: x̄ = (I + A)^-T ū, Ā = -x̄ uᵀ below the diagonal
+    A, u = kept
+    upper = jnp.flip(jnp.swapaxes(A, -1, -2), (-2, -1))  # Aᵀ, rows and columns reversed: lower
+    dx = jnp.flip(unit_lower_solve(upper, jnp.flip(du, -2)), -2)
+    return -jnp.tril(jnp.einsum("...ty,...sy->...ts", dx, u), -1), dx
+
+
+unit_lower_solve.defvjp(solve_forward, solve_backward)
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):

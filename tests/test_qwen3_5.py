@@ -229,6 +229,63 @@ def test_gradients_finite_through_padding(tiny):
         assert np.abs(np.asarray(grads[name][0])).max() > 0, name
 
 
+def test_unit_lower_solves_gradient_is_a_general_solves():
+    """unit_lower_solve's hand-written backward pass (the transposed solve) against autodiff of
+    jnp.linalg.solve (LU) of I + A: the gradient of x, and of A below its diagonal (above it the
+    solve reads nothing: 0)."""
+    kA, kx, kc = jax.random.split(jax.random.key(0), 3)
+    A = jnp.tril(jax.random.normal(kA, (3, 16, 16)) * 0.3, -1)
+    x, cotangent = jax.random.normal(kx, (3, 16, 5)), jax.random.normal(kc, (3, 16, 5))
+    eye = jnp.eye(16)[None]
+
+    def ours(A, x):
+        return (qwen3_5.unit_lower_solve(A, x) * cotangent).sum()
+
+    def general(A, x):
+        return (jnp.linalg.solve(eye + A, x) * cotangent).sum()
+
+    np.testing.assert_allclose(ours(A, x), general(A, x), rtol=1e-5)
+    (dA, dx), (ref_A, ref_x) = (jax.grad(f, (0, 1))(A, x) for f in (ours, general))
+    assert np.abs(ref_x).max() > 1 and np.abs(jnp.tril(ref_A, -1)).max() > 1  # gradients to check
+    np.testing.assert_allclose(dx, ref_x, atol=1e-4)
+    np.testing.assert_allclose(dA, jnp.tril(ref_A, -1), atol=1e-4)
+
+
+def test_chunked_delta_rules_gradient_is_the_recurrences():
+    """The trainer's gradient: of the chunked delta rule (70 tokens, two chunks, from a state)
+    against the token-by-token recurrence's, for every input (q, k, v, g, beta, the state)."""
+    B, T, U, E, Y = 2, 70, 3, 8, 6
+    keys = jax.random.split(jax.random.key(1), 7)
+    q, k = (l2_norm_rows(jax.random.normal(key, (B, T, U, E))) for key in keys[:2])
+    v = jax.random.normal(keys[2], (B, T, U, Y))
+    g = -jax.nn.softplus(jax.random.normal(keys[3], (B, T, U)))  # log decays
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (B, T, U)))
+    state = jax.random.normal(keys[5], (B, U, E, Y)) * 0.3
+    cotangent = jax.random.normal(keys[6], (B, T, U, Y))
+
+    def chunked(*xs):
+        o, end = qwen3_5.chunked_delta_rule(*xs, jnp.float32)
+        return (o * cotangent).sum() + end.sum()
+
+    def recurrent(q, k, v, g, beta, state):
+        def token(M, x):
+            o, M = qwen3_5.recurrent_delta_rule(*x, M, jnp.float32)
+            return M, o
+
+        end, o = jax.lax.scan(token, state, [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)])
+        return (jnp.moveaxis(o, 0, 1) * cotangent).sum() + end.sum()
+
+    xs = (q, k, v, g, beta, state)
+    ours, ref = (jax.jit(jax.grad(f, range(6)))(*xs) for f in (chunked, recurrent))
+    for name, a, b in zip("q k v g beta state".split(), ours, ref, strict=True):
+        assert np.abs(b).max() > 0.1, name
+        np.testing.assert_allclose(a, b, atol=2e-3 * np.abs(b).max(), err_msg=name)
+
+
+def l2_norm_rows(x):
+    return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+
 # --------------------------------------------------------------------------------------------------
 # saving: transformers reads what save() writes
 @pytest.mark.parametrize("vl, tie", [(False, False), (True, True)], ids=["text", "vl-tied"])
