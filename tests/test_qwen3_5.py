@@ -1,8 +1,9 @@
 """qwen3_5.py and its checkpoints: logits against transformers' Qwen3.5 in both layouts (the text
 model's and the vision-language wrapper's), greedy generation against transformers', the recurrent
 decode against the chunked forward, left padding against each prompt alone, the state's precision,
-the mm hook, gradients through padding and against the recurrence's; save() read back by transformers; the config checks, on
-Qwen3.5-0.8B's config.json and on what they refuse. B batch rows, T query length, V vocab."""
+the mm hook, gradients through padding and against the recurrence's; save() read back by
+transformers; the config checks, on Qwen3.5-0.8B's config.json and on what they refuse. B batch
+rows, T query length, V vocab."""
 
 import json
 from functools import partial
