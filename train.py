@@ -398,7 +398,7 @@ def run(args, task, fn, center, seed, out, prefix=""):
         return fn.steps[center](params, opt_state, jax.device_put(batch, data), base)
 
     # the loop, from the saved state if there is one
-    template = copy(params) if args.staleness else None  # the shapes of a saved sampler copy
+    template = copy(params, args.sampler) if args.staleness else None  # a saved copy's dtypes
     hist = dict(step=0, acc={}, drift={}, kl_q_p=[], reward=[])
     hist, state = harness.resume(out, hist, params, opt_state, template)  # out's saved, if any
     params, opt_state = grpo(

@@ -211,10 +211,13 @@ def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(
     tmp_path, monkeypatch
 ):
     def flags(lr="1e-3"):
-        # int8, noise, a stale sampler: the rows depend on the random and the saved state
+        # a stale float32 sampler: the rows depend on the random and the saved state, the saved
+        # copy included, which must come back in its own dtype (a template copy of --sampler's)
         return [
             "--task",
             "sequence",
+            "--sampler",
+            "float32",
             "--steps",
             "4",
             "--save-every",
