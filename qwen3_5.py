@@ -51,9 +51,9 @@ def recurrent_delta_rule(q, k, v, g, beta, M, state_dtype):
 
 @jax.custom_vjp
 def unit_lower_solve(A, x):
-    """(I + A)^-1 x for A strictly lower triangular [..., t, s], by forward substitution a row a
-    step (LAPACK's triangular solve's backward pass hangs XLA's CPU runtime on several devices).
-    Its backward pass is the transposed solve: the loop's own would keep x at every row."""
+    """(I + A)^-1 x, A strictly lower triangular [..., t, s]: forward substitution, a row a step
+    (LAPACK's triangular solve's backward pass hangs XLA's CPU runtime on several devices). Its
+    backward pass is the transposed solve: autodiff through the loop would store x once a row."""
 
     def row(i, x):  # x_i <- x_i - Σ_s<i A[i, s] x_s, the rows before i already solved
         return x.at[..., i, :].add(-jnp.einsum("...s,...sy->...y", A[..., i, :], x))
@@ -68,8 +68,8 @@ def solve_forward(A, x):  # u and what the backward pass keeps: A and u
 
 def solve_backward(kept, du):  # u = (I + A)^-1 x: x̄ = (I + A)^-T ū, Ā = -x̄ uᵀ below the diagonal
     A, u = kept
-    upper = jnp.flip(jnp.swapaxes(A, -1, -2), (-2, -1))  # Aᵀ, rows and columns reversed: lower
-    dx = jnp.flip(unit_lower_solve(upper, jnp.flip(du, -2)), -2)
+    flipped = jnp.flip(jnp.swapaxes(A, -1, -2), (-2, -1))  # P Aᵀ P, P the reversal: lower
+    dx = jnp.flip(unit_lower_solve(flipped, jnp.flip(du, -2)), -2)  # P (I + P Aᵀ P)^-1 P ū
     return -jnp.tril(jnp.einsum("...ty,...sy->...ts", dx, u), -1), dx
 
 
@@ -87,27 +87,27 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
         return jnp.moveaxis(a.reshape(B, n, size, *a.shape[2:]), (1, 3), (0, 2))
 
     q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
-    # decays: exp(gam) from the chunk's start to t, decay[t, s] from s to t (clipped at 0 above
-    # the diagonal, so that exp stays finite and tril's zeros are not inf · 0)
+    # decays: exp(gam) from the chunk's start to t, decay[t, s] from s to t; clipped at 0 above
+    # the diagonal, where exp could reach inf: masked by tril, it would still make gradients NaN
     gam = jnp.cumsum(g, axis=-1)  # [n, B, U, size]
     decay = jnp.tril(jnp.exp(jnp.minimum(gam[..., :, None] - gam[..., None, :], 0)))
-    # within chunks: each write reads the state the chunk's earlier writes made, so the writes u
-    # solve a triangular system (I + A) u = beta (v - exp(gam) M^T k), M the chunk's start
+    # within a chunk the write u_t = beta_t (v_t - M_t^T k_t) reads the earlier writes, decayed:
+    # (I + A) u = beta (v - exp(gam) M^T k), M the chunk's start, A[t, s] = beta_t decay k_t·k_s
     A = jnp.tril(jnp.einsum("nbute,nbuse->nbuts", k, k) * decay, -1) * beta[..., None]
     u_0 = unit_lower_solve(A, v * beta[..., None])  # the writes if M = 0
-    w = unit_lower_solve(A, k * (beta * jnp.exp(gam))[..., None])  # u = u_0 - w M
+    u_M = unit_lower_solve(A, k * (beta * jnp.exp(gam))[..., None])  # u = u_0 - u_M M
     attn = jnp.einsum("nbute,nbuse->nbuts", q, k) * decay
 
     def step(M, xs):  # across chunks: one chunk's writes and outputs, the state at its end
-        u_0, w, attn, q, k, gam = xs
-        u = u_0 - jnp.einsum("bute,buey->buty", w, M)
+        u_0, u_M, attn, q, k, gam = xs
+        u = u_0 - jnp.einsum("bute,buey->buty", u_M, M)
         o = jnp.einsum("bute,buey->buty", q * jnp.exp(gam)[..., None], M)
         o = o + jnp.einsum("buts,busy->buty", attn, u)
         k_to_end = k * jnp.exp(gam[..., -1:] - gam)[..., None]
         M = M * jnp.exp(gam[..., -1])[..., None, None] + jnp.einsum("buse,busy->buey", k_to_end, u)
         return M.astype(state_dtype).astype(F32), o
 
-    state, o = jax.lax.scan(step, state, (u_0, w, attn, q, k, gam))
+    state, o = jax.lax.scan(step, state, (u_0, u_M, attn, q, k, gam))
     o = jnp.moveaxis(o, (0, 2), (1, 3))  # [B, n, size, U, Y]
     return o.reshape(B, n * size, *o.shape[3:])[:, :T], state
 
@@ -118,7 +118,7 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype):
     J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
     U, Y = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
     B, T, _ = h.shape
-    # projections: at padding the conv's input, beta and g are zero, so it changes nothing
+    # projections: padding zeroes the conv's input, beta and g: the state skips it (left padding)
     qkv = jnp.where(real, mm("btd,dc->btc", h, lw["qkv"]), 0)  # [B, T, C]
     z = mm("btd,duy->btuy", h, lw["z"])
     beta = jnp.where(real, jax.nn.sigmoid(mm("btd,du->btu", h, lw["b"])).astype(F32), 0)
@@ -182,9 +182,9 @@ def forward(
     state_dtype=F32,
 ):
     """Logits float32 [B, T, V] (or [B, last, V]) and the updated kv, as qwen3.forward: pos < 0 is
-    padding; with kv, full attention writes this call's keys and values (as kv_quant(a) if given)
-    at slots [start, start + T), linear attention continues from the cache's conv inputs and state.
-    state_dtype: the state's precision. A weight matmul: mm(spec, activation, w)."""
+    left padding (the conv reads it as zeros); with kv, full attention writes this call's K and V
+    (as kv_quant(a) if given) at slots [start, start + T), linear attention goes on from the
+    cache's conv inputs and state. state_dtype: the state's precision. mm(spec, activation, w)."""
     eps, H = cfg["rms_norm_eps"], cfg["head_dim"]
     base = cfg["rope_parameters"]["rope_theta"]
     rotary = int(H * cfg["rope_parameters"]["partial_rotary_factor"])
@@ -196,7 +196,7 @@ def forward(
         return jax.lax.dynamic_update_slice(cache, a[None].astype(cache.dtype), (i, 0, start, 0, 0))
 
     def full_attention(h, lw, kv, i):
-        # QKV projection: q with its output gate (a head's H channels each), QK-norm, partial RoPE
+        # QKV projection: per head H query then H gate channels; QK-norm, partial RoPE
         q, gate = jnp.split(mm("btd,dnh->btnh", h, lw["q"]), 2, axis=-1)
         q = rope(rms_norm(q, lw["q_norm"], eps), pos, base, rotary)
         k = rope(rms_norm(mm("btd,dkh->btkh", h, lw["k"]), lw["k_norm"], eps), pos, base, rotary)
