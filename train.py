@@ -10,7 +10,7 @@ runs with other numerics (bf16 / int8 / fp8 weights, int8 / int4 / fp8 KV cache,
 staleness), trained with `score_centering.loss`. How it differs from textbook GRPO, and why:
 - no KL penalty to a reference model: it would pull toward the start and hide the drift under study;
 - no PPO ratio clipping: one optimizer step per batch, so the only off-policyness is the sampler's;
-- a token-mean loss over the whole batch, not a mean of per-sequence means (score_centering.py, 8);
+- a token mean over the whole batch, not a mean of per-sequence means (score_centering.py, step 8);
 - advantages are rewards minus the group mean, not divided by the group's std (the paper's recipe);
 - plain SGD at a constant learning rate on float32 master weights (the paper's; Adam: --optimizer).
 
@@ -37,7 +37,7 @@ from lab.devices import host, shardings
 from lab.models import INPUT_AXES, model  # the weights' input axes; the model cfg names
 
 TEMPERATURE = 1.0  # q's and p's (completion_logits divides by it too); log q recorded after it
-# the sampler's weights and activations (W8A8: the stored values); float32: the trainer's dtype
+# the sampler's compute dtype (int8, fp8: bf16 holding fake-quantised values); float32: trainer's
 SAMPLER_DTYPES = dict(float32=jnp.float32, bf16=jnp.bfloat16, int8=jnp.bfloat16, fp8=jnp.bfloat16)
 STATE_DTYPES = dict(bf16=jnp.bfloat16, fp16=jnp.float16)  # --state-dtype: Qwen3.5's, not float32
 
@@ -57,8 +57,8 @@ def fake_quant(x, axes, kind):  # symmetric, one scale per slice reduced over `a
 
 
 def kv_quant(kind):
-    """Keys or values [B, T, K, H] as a quantised cache holds them (int8, int4: a scale per token
-    and head; fp8: e4m3 at unit scale, saturating); None: a plain cache."""
+    """fn(keys or values [B, T, K, H]) -> them as a quantised cache holds them (int8, int4: a scale
+    per token and head; fp8: e4m3 at unit scale, saturating); None: a plain cache."""
 
     def fp8(a):
         return jnp.clip(a.astype(jnp.float32), -448, 448).astype(jnp.float8_e4m3fn).astype(a.dtype)
@@ -69,9 +69,9 @@ def kv_quant(kind):
 
 @partial(jax.jit, static_argnums=(1, 2))
 def sampler_weights(w, kind, sigma=0.0, key=None):
-    """w ⊙ (1 + σε) in the kind's SAMPLER_DTYPES, ε a standard normal draw from `key` (a key a
+    """w ⊙ (1 + σε) in the kind's SAMPLER_DTYPES, ε a standard normal draw from `key` (one key per
     weight): the same at each refresh, a persistent bias; kind int8 or fp8 fake-quantises every
-    matmul weight per output channel, the embedding and the output head included (W8A8)."""
+    matmul weight per output channel, the embedding and the output head included (W8A8's W8)."""
     if sigma:
         leaves, tree = jax.tree.flatten(w)
         keys = tree.unflatten(list(jax.random.split(key, len(leaves))))  # a key a weight
@@ -96,7 +96,7 @@ def quant_mm(kind):  # W8A8: the activation is fake-quantised per token (over th
     return mm if kind in QMAX else jnp.einsum
 
 
-# the decode loop's state: step i, the logits of its token, KV cache, rows done, record, key
+# the decode loop's state: step i, the logits predicting token i, KV cache, rows ended, record, key
 Decoding = namedtuple("Decoding", "i logits cache done out key")
 
 
@@ -161,10 +161,10 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False, gr
 
 
 def completion_logits(cfg, w, prompt, pos, tokens, mm=jnp.einsum, group=1):
-    """The trainer's float32 logits [B, M, V] where it predicted the completion tokens [B, M].
-    group: the rows come in runs of `group` copies of one prompt (unchecked: a run's rows get its
-    first row's prompt), whose forward runs once, as the sampler's prefill, its cache (K, V; Qwen3.5
-    conv window, state) repeated to the run's rows: repeat's backward sums their gradients."""
+    """The trainer's float32 logits [B, M, V] at the positions that predict tokens [B, M].
+    group: rows come in runs of `group` copies of one prompt (unchecked: each row gets its run's
+    first prompt); that prompt runs once, like the sampler's prefill, and its cache (K, V; Qwen3.5
+    conv window, state) is repeated to the run's rows: repeat's backward sums their gradients."""
     (B, T0), M = prompt.shape, tokens.shape[1]
     fwd = partial(model(cfg).forward, cfg, w, mm=mm)
     with jax.default_matmul_precision("highest"):  # a float32 trainer, not TF32 or bf16 passes
@@ -191,7 +191,7 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, correction=None, lora_s
     over the devices, the loss a token mean over the batch; weights and optimizer state split as
     `shardings` says (LoRA adapters: whole)."""
     flags = dict(center=center, correction=correction)  # all that --center changes: a keyword
-    g = math.gcd(group, micro_batch // mesh.size)  # a prompt forward a run, on one device
+    g = math.gcd(group, micro_batch // mesh.size)  # rows sharing a prompt forward, on one device
 
     def token_sum_loss(params, base, b):
         w = params if base is None else lora.attach(params, base)  # LoRA: W and its adapters
@@ -201,8 +201,8 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, correction=None, lora_s
         loss, metrics = sc.loss(logits, b["tokens"], b["mask"], b["adv"], b["logq"], *head, **flags)
         return loss * b["mask"].sum(), (metrics, b["mask"].sum())  # token sums: / n_tokens below
 
-    # [B, ...] -> [passes, mb, ...]: whole runs of g rows strided (B 8, g 2, mb 4: rows 0, 1, 4, 5,
-    # then 2, 3, 6, 7); the batch comes in contiguous blocks a device: a pass takes rows each holds
+    # [B, ...] -> [passes, mb, ...], no row changing device: each device holds a contiguous block,
+    # a pass takes runs of g rows from every block (B 8, g 2, mb 4: 0, 1, 4, 5, then 2, 3, 6, 7)
     def micro_batches(x):
         x = x.reshape(micro_batch // g, -1, g, *x.shape[1:]).swapaxes(0, 1)
         x = x.reshape(-1, micro_batch, *x.shape[3:])
@@ -270,7 +270,7 @@ def grpo(
     params, opt_state, w_sampler = state
     for step in range(start, steps + 1):
         row = dict(step=step)
-        if step % (staleness + 1) == 0:  # the sampler is refreshed this step: old copy out first
+        if step % (staleness + 1) == 0:  # a refresh is due: the old copy goes, its memory freed
             w_sampler = None
 
         # evaluate: drift from p_0 and the held-out score, every eval_every steps and at the end
@@ -312,13 +312,13 @@ def token_logp(cfg, w, b):  # the trainer's log p [B, M] of the completion token
     return jnp.take_along_axis(logp, b["tokens"][..., None], -1)[..., 0]
 
 
-Programs = namedtuple("Programs", "mesh opt policy steps samplers greedy prober logp")
+Programs = namedtuple("Programs", "mesh opt policy train_steps samplers greedy prober logp")
 
 
 def build(args, cfg, eos):
-    """The jitted programs, compiled once and shared by the runs of a --compare: a train step an
-    arm, a sampler a kind of numerics, the greedy and the probe's (clean bf16) samplers, log p for
-    the drift meter, the policy's weights (LoRA: merged)."""
+    """The jitted programs, compiled once and shared by the runs of a --compare: one train step per
+    arm, one sampler per kind of numerics, the greedy and the probe's (clean bf16) samplers, log p
+    for the drift meter, the policy's weights (LoRA: merged)."""
     mesh = Mesh(np.array(jax.devices()), ("data",))
     opt = getattr(optax, args.optimizer)(args.lr)  # sgd, adam or adamw (optax's decay: 1e-4)
     scale = args.lora and args.lora_alpha / args.lora  # LoRA's alpha / rank
@@ -372,10 +372,10 @@ def run(args, task, fn, center, seed, out, prefix=""):
     drift = rollouts.drift_meter(fn.logp, probe, policy(params), args.micro_batch, data)
     say(f"probe: {len(task.probe)} completions of p_0, {time.perf_counter() - tic:.0f} s")
     test, golds = [p for p, _ in task.test], [gold for _, gold in task.test]
-    # rows a greedy call: the held-out set (up to 512 of it) in one, rounded up to a multiple of P·G
+    # rows a greedy call: the held-out set (one call up to 512), rounded up to a multiple of P·G
     held_out = rows * math.ceil(min(len(test), 512) / rows)
 
-    def evaluate(params):  # greedy, no key: weights equal to a bit score once (fn.greedy remembers)
+    def evaluate(params):  # greedy, clean bf16: bit-equal weights scored once (fn.greedy remembers)
         say(f"evaluation: {len(test)} held-out prompts, greedy, {held_out} rows a call")
         tic = time.perf_counter()
         out = rollouts.generate(fn.greedy, copy(params), test, task.pad, None, data, held_out, say)
@@ -395,7 +395,7 @@ def run(args, task, fn, center, seed, out, prefix=""):
         return rollouts.generate(sampler, w_sampler, prompts, task.pad, step_key, data, rows), golds
 
     def train_step(params, opt_state, batch):
-        return fn.steps[center](params, opt_state, jax.device_put(batch, data), base)
+        return fn.train_steps[center](params, opt_state, jax.device_put(batch, data), base)
 
     # the loop, from the saved state if there is one
     template = copy(params, args.sampler) if args.staleness else None  # a saved copy's dtypes

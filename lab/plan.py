@@ -45,7 +45,7 @@ def plan(args, cfg, fn, shardings, lora_init, T0=256):
     batch |= dict(prompt=prompt, pos=prompt, adv=jax.ShapeDtypeStruct((B,), jnp.float32))
     batch = placed(batch, everywhere(PartitionSpec("data"), batch))
     s = fn.samplers(args.sampler).lower(w16, prompt, prompt, key).compile().memory_analysis()
-    step = fn.steps[args.center]
+    step = fn.train_steps[args.center]
     t = step.lower(params, state, batch, w if args.lora else None).compile().memory_analysis()
     init_kv = partial(models.model(cfg).init_kv, cfg, B // mesh.size, T0 + M, jnp.bfloat16)
     cache = jax.eval_shape(init_kv)

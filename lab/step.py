@@ -56,7 +56,7 @@ def main(argv, train):
     rewards = np.asarray(task.reward(batch["tokens"], batch["mask"], golds), np.float32)
     batch["adv"] = train.advantage(rewards, args.group, args.baseline)
 
-    def train_step(batch, step=fn.steps[args.center]):
+    def train_step(batch, step=fn.train_steps[args.center]):
         copy = jax.tree.map(jnp.copy, (params, opt_state))  # the step donates its inputs
         return step(*copy, jax.device_put(batch, data), base)
 

@@ -512,7 +512,7 @@ def uncentred_step(correction):
     logp = np.asarray(fn.logp(task.weights, batch), np.float64)  # [B, M]
     weights = jax.tree.map(jnp.copy, task.weights)
     state = fn.opt.init(weights)
-    _, _, metrics = fn.steps[False](weights, state, jax.device_put(batch, data))
+    _, _, metrics = fn.train_steps[False](weights, state, jax.device_put(batch, data))
     return metrics, logp, batch
 
 
@@ -601,7 +601,9 @@ def test_lora_train_step_and_sampler_merge_with_the_same_alpha_over_rank():
     prompts = [task.train[i // 4][0] for i in range(8)]  # 2 prompts, 4 rows each, as a run's
     batch = rollouts.generate(sampler, merged, prompts, 0, jax.random.PRNGKey(3), data, 8)
     batch["adv"] = np.linspace(-1, 1, 8).astype(np.float32)
-    _, _, m = fn.steps[True](params, fn.opt.init(params), jax.device_put(batch, data), task.weights)
+    _, _, m = fn.train_steps[True](
+        params, fn.opt.init(params), jax.device_put(batch, data), task.weights
+    )
     # a float32 sampler's log q is the trainer's log p to <= 1e-4 a token (the zero-mismatch test):
     # measured kl_q_p 8e-9, logprob_gap 1.1e-7; the step merging with scale 8, not 4: 3.5 and 3.6
     assert abs(float(m["kl_q_p"])) < 1e-4 and float(m["logprob_gap"]) < 1e-4, m
