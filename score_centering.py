@@ -182,7 +182,7 @@ def loss(
         A, c, log_f = A * jnp.exp(log_f), NONE, jnp.zeros_like(log_ratio)
     f_y = jnp.exp(log_f)  # sg(f(r_y)): a weight 0 weighs 0, even at p(y) = 0 (a -inf logit)
     score = jnp.where(f_y == 0, 0.0, f_y * logp_y)  # sg(f(r_y)) log p(y)
-    if head_logprobs is None:  # no sampler distribution: nothing to centre
+    if head_logprobs is None:  # uncentred (center=False), and no head to measure: done
         return -token_mean(A * score), metrics
 
     # tail model (step 10)
