@@ -6,6 +6,7 @@ and both times printed (the first compiles); the flags are train.py's.
     python -m lab.step --task arithmetic --model smollm2 --lora 32 --optimizer adamw --eval-n 400
 """
 
+import argparse
 import json
 import math
 import os
@@ -67,9 +68,8 @@ def main(argv, train):
         cut = {k: x if k in ("prompt", "pos", "adv") else x[:, :M] for k, x in batch.items()}
         timed(f"train step, M {M}", lambda cut=cut: train_step(cut))
     # and at M 32 with each row's prompt computed on its own, as before a group shared it
-    flags = dict(correction=harness.correction(args.correction), group=1)
-    flags["lora_scale"] = args.lora and args.lora_alpha / args.lora
-    alone = train.make_train_step(task.cfg, fn.opt, args.micro_batch, fn.mesh, args.center, **flags)
+    alone = train.build(argparse.Namespace(**vars(args) | dict(group=1)), task.cfg, task.eos)
+    alone = alone.train_steps[args.center]  # built as train.py builds it, at group 1
     cut = {k: x if k in ("prompt", "pos", "adv") else x[:, :32] for k, x in batch.items()}
     timed("train step, M 32, a prompt a row", lambda: train_step(cut, alone))
     test = [p for p, _ in task.test]
