@@ -77,8 +77,8 @@ unit_lower_solve.defvjp(solve_forward, solve_backward)
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
-    """The same over T tokens (a T axis after B), 64 a chunk: within a chunk solved at once (a
-    triangular system, then matmuls), the state passed on between chunks, rounded to state_dtype."""
+    """The same over T tokens (a T axis after B), 64 a chunk (docs/qwen3_5.md derives it): in a
+    chunk a triangular solve, then matmuls; the state passed on, rounded to state_dtype."""
     B, T = g.shape[:2]
     n = -(-T // size)
 
