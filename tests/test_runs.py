@@ -419,16 +419,19 @@ def test_ctrl_c_stops_within_seconds_and_leaves_valid_metrics(tmp_path, gsm):
 
 
 def test_staleness_refreshes_the_sampler_every_s_plus_1_steps(gsm, monkeypatch):
-    calls, real = [], train.sampler_weights
+    calls, real = [], train.grpo
 
-    def spy(w, kind, *a, **kw):
-        calls.append(kind)
-        return real(w, kind, *a, **kw)
+    def spy(state, refresh, **kw):  # the loop's refreshes of the sampler's copy, each's kind
+        def counted(params):
+            calls.append(refresh.keywords["kind"])
+            return refresh(params)
 
-    monkeypatch.setattr(train, "sampler_weights", spy)
+        return real(state, refresh=counted, **kw)
+
+    monkeypatch.setattr(train, "grpo", spy)
     sampler = ["--sampler", "fp8", "--kv-quant", "int8"]  # the end-to-end test's sampler and cache
     train.main(tiny_argv(gsm, "--steps", "5", "--eval-every", "5", *sampler, "--staleness", "1"))
-    assert calls.count("fp8") == 3, calls  # steps 0, 2, 4
+    assert calls == ["fp8"] * 3, calls  # steps 0, 2, 4
 
 
 @pytest.mark.parametrize(
