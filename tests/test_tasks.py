@@ -119,13 +119,12 @@ def test_sequence_reward_is_p0_top3_in_the_lower_half_over_the_mask():
 
 
 def test_evaluation_is_greedy_the_same_under_two_keys():
-    """The held-out score at step 0 does not depend on the run's key: completions are the argmax."""
+    """The held-out completions do not depend on the key: each token is the argmax. (A run passes
+    no key at all, and fn.greedy remembers a call by its inputs: two keys, two real calls.)"""
     argv = "--task sequence --steps 1 --eval-n 16 --probe-n 8 --prompts 2 --group 4".split()
     args = harness.parse_args(argv + ["--max-tokens", "6"])
     task = tasks.sequence_task(0, 16, 8)
     fn = train.build(args, task.cfg, task.eos)
-    accs = [train.run(args, task, fn, False, seed, None)["eval_acc"]["0"] for seed in (0, 1)]
-    assert accs[0] == accs[1]
     prompt, pos = rollouts.left_pad([p for p, _ in task.test], 0)
     outs = [
         fn.greedy(train.sampler_weights(task.weights, "bf16"), prompt, pos, jax.random.PRNGKey(k))
