@@ -67,9 +67,10 @@ def generate(sampler, w, prompts, pad_id, key, data, n, say=None):
 
 
 def remembered(fn):
-    """fn(*arrays), each call's result kept by the bytes of its inputs (pytrees of arrays): the
-    held-out score of weights equal to a bit, as at step 0 of every arm of a --compare (LoRA's
-    adapters start at 0), is computed once. Every process hashes the same gathered bytes."""
+    """fn(*arrays), each call's result kept (as numpy: no accelerator memory) by the bytes of its
+    inputs (pytrees of arrays): the held-out score of weights equal to a bit, as at step 0 of every
+    arm of a --compare (LoRA's adapters start at 0), is computed once. Every process hashes the
+    same gathered bytes."""
     seen = {}
 
     def call(*inputs):
@@ -77,7 +78,7 @@ def remembered(fn):
         for x in jax.tree.leaves(host(inputs)):
             digest.update(str((x.dtype, x.shape)).encode() + np.ascontiguousarray(x).tobytes())
         if (key := digest.hexdigest()) not in seen:
-            seen[key] = fn(*inputs)
+            seen[key] = host(fn(*inputs))
         return seen[key]
 
     return call
