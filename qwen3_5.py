@@ -91,7 +91,7 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
     # the diagonal, where exp could reach inf: masked by tril, it would still make gradients NaN
     gam = jnp.cumsum(g, axis=-1)  # [n, B, U, size]
     decay = jnp.tril(jnp.exp(jnp.minimum(gam[..., :, None] - gam[..., None, :], 0)))
-    # within a chunk the write u_t = beta_t (v_t - M_t^T k_t) reads the earlier writes, decayed:
+    # a write u_t = beta_t (v_t - (e^g_t M_t-1)^T k_t) reads the chunk's earlier writes, decayed:
     # (I + A) u = beta (v - exp(gam) M^T k), M the chunk's start, A[t, s] = beta_t decay k_t·k_s
     A = jnp.tril(jnp.einsum("nbute,nbuse->nbuts", k, k) * decay, -1) * beta[..., None]
     u_0 = unit_lower_solve(A, v * beta[..., None])  # the writes if M = 0

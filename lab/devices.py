@@ -35,8 +35,12 @@ def shardings(tree, mesh=None):
     return jax.tree_util.tree_map_with_path(spec, tree)
 
 
-def host(tree):  # numpy copies of (global) arrays: every row, on every process
-    return jax.tree.map(lambda x: np.asarray(process_allgather(x, tiled=True)), tree)
+def host(tree):  # numpy copies of (global) arrays: every row, on every process; numpy stays
+    return jax.tree.map(lambda x: x if isinstance(x, np.ndarray) else _gathered(x), tree)
+
+
+def _gathered(x):
+    return np.asarray(process_allgather(x, tiled=True))
 
 
 def join(env=os.environ):

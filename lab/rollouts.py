@@ -5,6 +5,7 @@ fixed completions.
 B rows, T0 prompt length, M completion length, V vocabulary."""
 
 import hashlib
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -67,19 +68,21 @@ def generate(sampler, w, prompts, pad_id, key, data, n, say=None):
 
 
 def remembered(fn):
-    """fn(*arrays), each call's result kept (as numpy: no accelerator memory) by the bytes of its
-    inputs (pytrees of arrays): the held-out score of weights equal to a bit, as at step 0 of every
-    arm of a --compare (LoRA's adapters start at 0), is computed once. Every process hashes the
+    """fn(*arrays), each call's result kept by the bytes of its inputs (pytrees of arrays, raw
+    keys): the held-out score of weights equal to a bit, as at step 0 of every arm of a --compare
+    (LoRA's adapters start at 0), is computed once, also by runs at once in threads: one call at a
+    time. Results are kept as numpy, on the host: a few MB an evaluation. Every process hashes the
     same gathered bytes."""
-    seen = {}
+    seen, one_at_a_time = {}, threading.Lock()
 
     def call(*inputs):
         digest = hashlib.blake2b()
         for x in jax.tree.leaves(host(inputs)):
             digest.update(str((x.dtype, x.shape)).encode() + np.ascontiguousarray(x).tobytes())
-        if (key := digest.hexdigest()) not in seen:
-            seen[key] = host(fn(*inputs))
-        return seen[key]
+        with one_at_a_time:
+            if (key := digest.hexdigest()) not in seen:
+                seen[key] = host(fn(*inputs))
+            return seen[key]
 
     return call
 

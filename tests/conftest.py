@@ -42,12 +42,20 @@ def gsm(tmp_path_factory):  # a tiny checkpoint and a tiny GSM8K folder
 def sequence_compare(tmp_path_factory):
     """The sequence task's --compare of seeds 0 and 1, 8 steps evaluated every 4: what drift costs
     (test_runs), and the numbers lab.report recomputes from its files (test_report), one run for
-    both. A dict: its flags (less --seeds and --out), folder, summary, printed lines, and the
-    `center` of each train step it traced."""
+    both. A dict: its flags (less --seeds and --out), folder, summary, printed lines, the `center`
+    of each train step it traced, and how many times the greedy sampler really ran."""
     flags = "--task sequence --compare --steps 8 --eval-every 4 --lr 0.4 --eval-n 128 --probe-n 8"
     out = tmp_path_factory.mktemp("compare")
+    greedy_calls, make = [], train.make_sampler
+
+    def counted(*a, greedy=False, **k):  # the greedy sampler's real calls (not remembered ones)
+        sample = make(*a, greedy=greedy, **k)
+        return (lambda *x: greedy_calls.append(1) or sample(*x)) if greedy else sample
+
     with pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(io.StringIO()) as printed:
         seen = spy_loss(m)
+        m.setattr(train, "make_sampler", counted)
         summary = train.main([*flags.split(), "--seeds", "0,1", "--out", str(out)])
     lines = printed.getvalue().splitlines()
-    return dict(flags=flags.split(), out=out, summary=summary, lines=lines, seen=seen)
+    found = dict(flags=flags.split(), out=out, summary=summary, lines=lines, seen=seen)
+    return found | dict(greedy_calls=len(greedy_calls))

@@ -147,6 +147,9 @@ def test_sequence_task_drift_costs_held_out_score_without_centring(
     flags, summary, lines = (sequence_compare[k] for k in ("flags", "summary", "lines"))
     seen = sequence_compare["seen"]
     assert sorted(seen) == [False, True]  # one train step traced per arm, shared by seeds, threads
+    # evaluations at steps 0, 4, 8 of 4 runs, three at once: a seed's step 0 (its own random
+    # model, the same in both arms) runs once
+    assert sequence_compare["greedy_calls"] == 2 + 4 * 2
     one = train.main([*flags, "--seeds", "0", "--workers", "2", "--out", str(tmp_path / "one")])
     assert all(one[name] == summary[name] for name in ("uncentered_seed0", "centered_seed0"))
     one_lines = capsys.readouterr().out.splitlines()

@@ -130,6 +130,7 @@ def test_evaluation_is_greedy_the_same_under_two_keys():
         fn.greedy(train.sampler_weights(task.weights, "bf16"), prompt, pos, jax.random.PRNGKey(k))
         for k in (0, 1)
     ]
+    assert outs[0] is not outs[1]  # two calls, not one remembered
     np.testing.assert_array_equal(outs[0]["tokens"], outs[1]["tokens"])
     np.testing.assert_array_equal(outs[0]["tokens"], outs[0]["head_ids"][..., 0])  # the argmax
 
