@@ -74,9 +74,9 @@ def main(argv, train):
     timed("train step, M 32, a prompt a row", lambda: train_step(cut, alone))
     test = [p for p, _ in task.test]
     held_out = rows * math.ceil(min(len(test), 512) / rows)  # as train.run's evaluation
-    keys = iter(jax.random.split(key))  # a new key each call: fn.greedy remembers its inputs
+    calls = iter(range(100))  # a new key each call: fn.greedy remembers its inputs
     greedy = partial(rollouts.generate, fn.greedy, w_q, test, task.pad)
-    timed("evaluation", lambda: greedy(next(keys), data, held_out))
+    timed("evaluation", lambda: greedy(jax.random.fold_in(key, next(calls)), data, held_out))
     probe = timed(
         "probe", lambda: rollouts.generate(fn.prober, w_q, task.probe, task.pad, key, data, rows), 1
     )

@@ -232,8 +232,8 @@ def test_gradients_finite_through_padding(tiny):
 
 def test_unit_lower_solves_gradient_is_a_general_solves():
     """unit_lower_solve's hand-written backward pass (the transposed solve) against autodiff of
-    jnp.linalg.solve (LU) of I + A: the gradient of x, and of A below its diagonal (above it the
-    solve reads nothing: 0)."""
+    jnp.linalg.solve (LU) of I + A: the gradient of x, and of A below its diagonal (A is taken as
+    strictly lower: its gradient elsewhere is defined 0)."""
     kA, kx, kc = jax.random.split(jax.random.key(0), 3)
     A = jnp.tril(jax.random.normal(kA, (3, 16, 16)) * 0.3, -1)
     x, cotangent = jax.random.normal(kx, (3, 16, 5)), jax.random.normal(kc, (3, 16, 5))

@@ -214,8 +214,8 @@ def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(
     tmp_path, monkeypatch
 ):
     def flags(lr="1e-3"):
-        # a stale float32 sampler: the rows depend on the random and the saved state, the saved
-        # copy included, which must come back in its own dtype (a template copy of --sampler's)
+        # a stale float32 sampler with the sequence task's weight noise: the rows depend on the
+        # random and the saved state, the saved copy included, back in --sampler's dtype
         return [
             "--task",
             "sequence",
