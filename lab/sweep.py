@@ -269,7 +269,7 @@ def report(args, results, seconds):  # results {level: {run: summary}}: tables, 
     seeds = args.seeds or [args.seed]
     print(
         f"\nsweep: {len(results)} levels x {len(seeds)} seeds x 2 arms, {args.steps} steps, "
-        f"{args.workers} at a time: {seconds:.0f} s"
+        f"--correction {args.correction}, {args.workers} at a time: {seconds:.0f} s"
     )
 
     # the table at the end of the runs, then against steps

@@ -116,7 +116,7 @@ def test_gsm8k_compare_runs_both_arms_from_the_same_start(tmp_path, gsm, capsys,
 def test_a_correction_reaches_both_arms_of_a_compare_and_of_a_sweep(tmp_path, capsys, monkeypatch):
     """--correction in a --compare and in a --sweep (one level, one seed, a step): both arms' train
     steps call the loss with that correction, each run logs the share of tokens it clipped, and
-    the --compare report names the correction."""
+    the --compare and --sweep reports name the correction."""
     seen = spy_loss(monkeypatch, "correction")
     flags = "--task sequence --steps 1 --prompts 2 --group 4 --max-tokens 6 --eval-every 1"
     flags += " --eval-n 8 --probe-n 8"
@@ -132,7 +132,9 @@ def test_a_correction_reaches_both_arms_of_a_compare_and_of_a_sweep(tmp_path, ca
         assert [run.parent.name.split("_")[0] for run in runs] == ["centered", "uncentered"]
         for run in runs:
             assert 0 <= json.loads(run.read_text().splitlines()[0])["clipped"] <= 1, run
-    assert "--correction gspo:0.2,0.28, 1 steps" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "--correction gspo:0.2,0.28, 1 steps" in printed  # the --compare's report
+    assert "1 steps, --correction ppo:0.2,0.28, " in printed  # the --sweep's
 
 
 def test_sequence_task_drift_costs_held_out_score_without_centring(
