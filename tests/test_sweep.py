@@ -169,7 +169,9 @@ def test_a_run_that_stopped_early_leaves_the_steps_every_run_has(tmp_path, capsy
     assert r["final_u"] == pytest.approx(0.5)
     assert r["final_c"] == pytest.approx(0.5 + np.mean(gains[-sweep.LAST :]) / 100)
 
-    args = argparse.Namespace(seeds=[0, 1, 2], seed=0, steps=250, workers=3, plot=None)
+    args = argparse.Namespace(
+        seeds=[0, 1, 2], seed=0, steps=250, workers=3, plot=None, correction=None
+    )
     args.out = str(tmp_path)
     summary = sweep.report(args, {"int8": level, "bf16": _gains_level(gains)}, 1.0)
     assert summary["levels"]["int8"]["steps"]["step"] == [0, 50, 100]
@@ -206,7 +208,9 @@ def _two_levels():  # a level where centring pays and one where it costs, three 
 
 
 def _report(out, plot=None):  # sweep.report of _two_levels() into the folder out
-    args = argparse.Namespace(seeds=[0, 1, 2], seed=0, steps=250, workers=3, plot=plot, out=out)
+    args = argparse.Namespace(
+        seeds=[0, 1, 2], seed=0, steps=250, workers=3, plot=plot, out=out, correction=None
+    )
     return sweep.report(args, _two_levels(), 123.4)
 
 
