@@ -6,13 +6,13 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 
 # The derivation, one step per number; its last step is the line `loss` ends on. Steps 1 to 8
 # are the method; 9 to 11 add importance weights and the sampler's top-k head. A case to check
-# by hand, V = 3 with a head of one token, is test_the_derivations_worked_case_by_hand's.
+# by hand: V = 3, p = (.5, .3, .2), q = (.6, .3, .1), head {0}, y = 1 (test_score_centering.py).
 # Notation: prefix h (the prompt and the tokens before t); trainer p(v) = p_θ(v | h);
 # sampler q(v) = q(v | h); score s_v = ∇_θ log p(v); A the rollout's advantage; y the sampled
 # token; z the trainer's logits, with ∇_z log p(v) = e_v − p.
 #
-# 1. The sampler q generates the rollouts, so REINFORCE estimates the policy gradient with one
-#    term per generated token: g = A · s_y, y ~ q.
+# 1. The sampler q generates the rollouts, so the usual REINFORCE estimate of the policy gradient
+#    has one term per generated token: g = A · s_y, y ~ q (biased when q ≠ p: step 3).
 # 2. Zero-mean score lemma: Σ_v p(v) s_v = ∇_θ Σ_v p(v) = ∇_θ 1 = 0. On-policy (y ~ p), a part
 #    of A that does not depend on y (a baseline, a constant reward) adds no expected gradient.
 # 3. Off-policy the lemma fails: E_{y~q}[s_y] = Σ_v q(v) s_v =: s̄_q ≠ 0. In logit space
@@ -21,9 +21,9 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    The first term is drift: it says nothing about which token was better, vanishes only when
 #    q = p or E_q[A | h] = 0, and follows the sign of the prefix's mean advantage (positive pulls
 #    p toward q, negative pushes it away). The second term is the signal.
-# 5. Drift accumulates. The sampler, rebuilt from each step's weights, is biased the same way
-#    again (same quantiser, same noise): a target that moves with p, no bound in logits. A frozen
-#    one is a fixed target: pulled, p stops at it; pushed, no bound. A stale one trails p instead.
+# 5. Drift accumulates. A sampler rebuilt from each step's weights carries the same bias again
+#    (same quantiser, same noise): q stays ahead of p, so the pull never ends (logits unbounded).
+#    A frozen q is a fixed target: pulled, p stops at it; pushed, no bound. A stale one trails p.
 # 6. A group-mean baseline (GRPO) zeroes the group's mean advantage, not E_q[A | h] at each prefix:
 #    drift survives it in sequences (in a one-step bandit, one prefix for all, it vanishes exactly).
 # 7. Score centering subtracts the sampler-expected score from every token's score:
@@ -36,20 +36,20 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 # 9. Importance weights and clipping. A detached weight f of each token's ratio r = p/q multiplies
 #    its score; under y ~ q a token v then enters with the mass m_v = q(v) f(r_v), not q(v), so
 #    centring subtracts Σ_v m_v s_v: ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_v sg(m_v) log p(v)].
-#    A `Correction` is f as a band: r inside, r clamped into it or 0 outside. TIS: f(r) = min(r, C),
-#    m = min(p, C q). MIS (IcePop): r in [lo, hi], else 0: m = p or 0 (on [0, ∞): full IS, m = p,
-#    drift-free but noisy). CISPO: r clamped into [1 − ε_low, 1 + ε_high]. PPO, q the old policy
-#    (DAPO: ε_high > ε_low): 0 above 1 + ε_high where A > 0, below 1 − ε_low (or above a dual clip)
-#    where A ≤ 0; the token's band holds for every v, m_v = q(v) f(r_v, sign A), so a constant A of
-#    either sign has no expected update. A row's weight w (GSPO: PPO's band on the geometric mean of
-#    its r; TOPR: 1 where A > 0, else its product of r capped at 1) makes A → w A; m stays q.
+#    A `Correction` is a band for each sign of A: f(r) = r inside; outside, r clamped in or f = 0.
+#    TIS: f(r) = min(r, C), m = min(p, C q). MIS (IcePop): [lo, hi], 0 outside: m = p or 0 (on
+#    [0, ∞): full IS, m = p, drift-free but noisy). CISPO: r clamped into [1 − ε_low, 1 + ε_high].
+#    PPO, q the old policy (DAPO: ε_high > ε_low): [0, 1 + ε_high] for A > 0, [1 − ε_low, ∞] (or a
+#    dual clip) for A ≤ 0, 0 outside; the token's band holds for every v, m_v = q(v) f(r_v, sign A),
+#    so a constant A of either sign has no expected update. A row's weight w (GSPO: PPO's band on
+#    its r's geometric mean; TOPR: 1 where A > 0, else its r's product capped at 1): A → w A, m = q.
 # 10. Top-k. q over a 151k vocabulary at every token is too big to keep: the sampler records its
 #     head, its k most likely ids and their log q. Off the head, model q as the trainer's p
 #     scaled to the mass that q leaves there (FLOOR bounds both masses from below):
 #         q̂(v) = q(v) on the head,  ρ p(v) off it,  ρ = (1 − Σ_head q) / (1 − Σ_head p).
-#     Every tail token has the same ratio p / q̂ = 1/ρ, so its mass is m(ρ p, p) = α p, with
-#         α = m(ρ, 1) = ρ f(1/ρ)   (no IS: ρ; TIS: min(1, C ρ); MIS: 1 if lo ≤ 1/ρ ≤ hi, else 0).
-# 11. The value needs no tail logits (m̂: m on the head, α p off it): the tail is all less the head,
+#     Every tail token has the same ratio p / q̂ = 1/ρ, so its mass is ρ p f(1/ρ) = α p, with
+#         α = ρ f(1/ρ) = m(ρ, 1)   (no IS: ρ; TIS: min(1, C ρ); MIS: 1 if lo ≤ 1/ρ ≤ hi, else 0).
+# 11. No tail logits are needed (m̂ = m on the head, α p off it): write Σ_tail as Σ_v − Σ_head,
 #         Σ_v sg(m̂_v) log p(v) = Σ_head m_v log p(v) + α Σ_tail sg(p(v)) log p(v)
 #             = Σ_head m_v log p(v) + α [Σ_v sg(p(v)) log p(v) − Σ_head p(v) log p(v)]
 #             = Σ_head c_v log p(v) − α · entropy(p),   with c_v = sg(m_v − α p(v)).
@@ -104,11 +104,11 @@ def topr():  # TOPR: rows with A > 0 weigh 1, with A ≤ 0 their product of rati
     return Correction("topr", (1.0, 1.0), (0.0, 1.0), clamp=True, level="trajectory")
 
 
-def log_mass(c, logq, logp, positive):
+def log_mass(corr, logq, logp, positive):
     """Step 9's mass m(q, p) = q f(p/q) in logs, f at the advantage's sign; f(r) = m(1, r)."""
-    lo = jnp.log(jnp.where(positive, c.positive[0], c.negative[0]))
-    hi = jnp.log(jnp.where(positive, c.positive[1], c.negative[1]))
-    if c.clamp:  # r clamped into [lo, hi]: p clamped into [lo q, hi q] (hi = inf: no top)
+    lo = jnp.log(jnp.where(positive, corr.positive[0], corr.negative[0]))  # the band, in logs
+    hi = jnp.log(jnp.where(positive, corr.positive[1], corr.negative[1]))
+    if corr.clamp:  # log r clamped into [lo, hi]: log p into log q + [lo, hi] (hi = inf: no top)
         logm = jnp.maximum(logp, logq + lo)
         return jnp.where(hi == jnp.inf, logm, jnp.minimum(logm, logq + hi))
     log_r = logp - logq  # NaN where p = q = 0: outside any band, so m = 0 = p there
@@ -171,21 +171,21 @@ def loss(
     )
 
     # the correction (step 9): a token's weight multiplies its score, a row's its advantage
-    c, log_r = correction or NONE, log_ratio
-    if c.level != "token":  # the mean (GSPO) or sum (TOPR) of the row's log r, at each token
-        n = mask.sum(-1, keepdims=True) if c.level == "sequence" else 1
+    corr, log_r = correction or NONE, log_ratio
+    if corr.level != "token":  # the mean (GSPO) or sum (TOPR) of the row's log r, at each token
+        n = mask.sum(-1, keepdims=True) if corr.level == "sequence" else 1
         log_r = jnp.where(mask, log_ratio, 0.0).sum(-1, keepdims=True) / jnp.maximum(n, 1)
-    log_f = log_mass(c, 0.0, log_r, A > 0)  # [B, T] log f(r), as f(r) = m(1, r)
+    log_f = log_mass(corr, 0.0, log_r, A > 0)  # [B, T] log f(r) = log m(q = 1, p = r)
     if correction is not None:  # the share of tokens weighted other than by their (row's) r
         metrics["clipped"] = token_mean(log_f != log_r)
-    if c.level != "token":  # a row's weight scales its advantage; its tokens enter with m = q
-        A, c, log_f = A * jnp.exp(log_f), NONE, jnp.zeros_like(log_ratio)
+    if corr.level != "token":  # a row's weight scales its advantage; its tokens enter with m = q
+        A, corr, log_f = A * jnp.exp(log_f), NONE, jnp.zeros_like(log_ratio)
     f_y = jnp.exp(log_f)  # sg(f(r_y)): a weight 0 weighs 0, even at p(y) = 0 (a -inf logit)
     score = jnp.where(f_y == 0, 0.0, f_y * logp_y)  # sg(f(r_y)) log p(y)
     if head_logprobs is None:  # uncentred (center=False), and no head to measure: done
         return -token_mean(A * score), metrics
 
-    # tail model (step 10)
+    # tail model (step 10); exact centring (no head_ids): the head is all of V, k = V (step 11)
     logq_head = sg(trained(head_logprobs.astype(jnp.float32)))  # [B, T, k]
     logp_head = logp if head_ids is None else _gather(logp, head_ids)  # [B, T, k]
     sg_logp_head = sg(logp_head)
@@ -193,8 +193,8 @@ def loss(
     rho = jnp.maximum(1 - q_mass, FLOOR) / jnp.maximum(1 - p_mass, FLOOR)  # tail: q̂ = ρ p
 
     # head coefficients c = m − α p (steps 10 and 11)
-    m_head = jnp.exp(log_mass(c, logq_head, sg_logp_head, (A > 0)[..., None]))  # [B, T, k]
-    alpha = jnp.exp(log_mass(c, jnp.log(rho), 0.0, A > 0))  # [B, T] the tail's α = m(ρ, 1)
+    m_head = jnp.exp(log_mass(corr, logq_head, sg_logp_head, (A > 0)[..., None]))  # [B, T, k]
+    alpha = jnp.exp(log_mass(corr, jnp.log(rho), 0.0, A > 0))  # [B, T] the tail's α = m(ρ, 1)
     c_head = m_head - alpha[..., None] * jnp.exp(sg_logp_head)  # [B, T, k]
     metrics["head_mass_q"], metrics["head_mass_p"] = token_mean(q_mass), token_mean(p_mass)
     metrics["centring_size"] = token_mean(jnp.abs(c_head).sum(-1))
