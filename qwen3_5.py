@@ -1,11 +1,12 @@
-"""Qwen3.5 (dense) in pure JAX, the model only, with qwen3.py's forward contract. A hybrid: config
+"""Qwen3.5 (not MoE) in pure JAX, the model only, with qwen3.py's forward contract. A hybrid: config
 layer_types makes each layer Gated DeltaNet (linear attention: a causal conv, then the gated delta
 rule's recurrent state) or gated full attention (QK-norm, partial RoPE, GQA, a sigmoid output gate).
 B batch rows, T query length, S key/KV-cache length, D model width, F MLP hidden, V vocab; full
 attention: N query heads, K key/value heads, R = N/K, H head dimension; linear attention: J key
-heads of dimension E, U value heads of dimension Y (U a multiple of J), C = 2·J·E + U·Y channels;
-the chunked delta rule: n chunks of 64 tokens, t and s tokens in a chunk. Each kind's layer
-weights are stacked along a leading axis of their own: w["linear"], w["full"]."""
+heads of dimension E, U value heads of dimension Y (U a multiple of J: value head u reads key
+head u // (U / J)), C = 2·J·E + U·Y channels; the chunked delta rule: n chunks of 64 tokens, t
+and s tokens in a chunk. Each kind's layer weights are stacked along a leading axis of their
+own: w["linear"], w["full"]."""
 
 from functools import partial
 
@@ -87,8 +88,8 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
         return jnp.moveaxis(a.reshape(B, n, size, *a.shape[2:]), (1, 3), (0, 2))
 
     q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
-    # decays: exp(gam) from the chunk's start to t, decay[t, s] from s to t; clipped at 0 above
-    # the diagonal, where exp could reach inf: masked by tril, it would still make gradients NaN
+    # decays: exp(gam) from the chunk's start to t, decay[t, s] from s to t (≤ 1: g ≤ 0); the cap
+    # at 0 bites only above the diagonal, where exp could reach inf and, masked, NaN the gradients
     gam = jnp.cumsum(g, axis=-1)  # [n, B, U, size]
     decay = jnp.tril(jnp.exp(jnp.minimum(gam[..., :, None] - gam[..., None, :], 0)))
     # a write u_t = beta_t (v_t - (e^g_t M_t-1)^T k_t) reads the chunk's earlier writes, decayed:
@@ -98,7 +99,7 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
     u_M = unit_lower_solve(A, k * (beta * jnp.exp(gam))[..., None])  # u = u_0 - u_M M
     attn = jnp.einsum("nbute,nbuse->nbuts", q, k) * decay
 
-    def step(M, xs):  # across chunks: one chunk's writes and outputs, the state at its end
+    def step(M, xs):  # across chunks, M the state at a chunk's start: its outputs, M at its end
         u_0, u_M, attn, q, k, gam = xs
         u = u_0 - jnp.einsum("bute,buey->buty", u_M, M)
         o = jnp.einsum("bute,buey->buty", q * jnp.exp(gam)[..., None], M)
@@ -118,14 +119,14 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype):
     J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
     U, Y = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
     B, T, _ = h.shape
-    # projections: padding zeroes the conv's input, beta and g: the state skips it (left padding)
+    # projections; g = -exp(A_log) softplus(a) ≤ 0; padding zeroes conv input, beta, g: skipped
     qkv = jnp.where(real, mm("btd,dc->btc", h, lw["qkv"]), 0)  # [B, T, C]
     z = mm("btd,duy->btuy", h, lw["z"])
     beta = jnp.where(real, jax.nn.sigmoid(mm("btd,du->btu", h, lw["b"])).astype(F32), 0)
     a = mm("btd,du->btu", h, lw["a"]).astype(F32) + lw["dt_bias"][None, None]
     g = jnp.where(real, -jnp.exp(lw["A_log"].astype(F32))[None, None] * jax.nn.softplus(a), 0)
 
-    # causal conv: depthwise over the cached inputs and this call's, SiLU; q, k L2-normed in float32
+    # causal conv, depthwise (tap width - 1: the token itself), SiLU; q, k L2-normed in float32
     width = lw["conv"].shape[0]
     window = jnp.zeros((B, width - 1, qkv.shape[-1])) if kv is None else kv["conv"][i]
     window = jnp.concatenate([window.astype(h.dtype), qkv], axis=1)  # [B, width - 1 + T, C]
@@ -145,7 +146,7 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype):
         conv = kv["conv"].at[i].set(window[:, T:].astype(kv["conv"].dtype))
         kv = dict(kv, conv=conv, state=kv["state"].at[i].set(state))
 
-    # gated RMSNorm: normed in float32, times w (not 1 + w), then silu(z)
+    # gated RMSNorm: normed in float32, back to h's dtype, times w (not 1 + w), then silu(z)
     o = normed(o.astype(h.dtype), cfg["rms_norm_eps"]).astype(h.dtype)
     o = (o * lw["norm"][None, None, None] * jax.nn.silu(z.astype(F32))).astype(h.dtype)
     return mm("btuy,uyd->btd", o, lw["out"]), kv
@@ -182,8 +183,8 @@ def forward(
     state_dtype=F32,
 ):
     """Logits float32 [B, T, V] (or [B, last, V]) and the updated kv, as qwen3.forward: pos < 0 is
-    left padding (the conv reads it as zeros); with kv, full attention writes this call's K and V
-    (as kv_quant(a) if given) at slots [start, start + T), linear attention goes on from the
+    padding, left only (the conv reads it as zeros); with kv, full attention writes this call's K
+    and V (as kv_quant(a) if given) at slots [start, start + T), linear attention goes on from the
     cache's conv inputs and state. state_dtype: the state's precision. mm(spec, activation, w)."""
     eps, H = cfg["rms_norm_eps"], cfg["head_dim"]
     base = cfg["rope_parameters"]["rope_theta"]
@@ -196,7 +197,7 @@ def forward(
         return jax.lax.dynamic_update_slice(cache, a[None].astype(cache.dtype), (i, 0, start, 0, 0))
 
     def full_attention(h, lw, kv, i):
-        # QKV projection: per head H query then H gate channels; QK-norm, partial RoPE
+        # projections: lw["q"] [D, N, 2H], per head H query then H gate channels; QK-norm, RoPE
         q, gate = jnp.split(mm("btd,dnh->btnh", h, lw["q"]), 2, axis=-1)
         q = rope(rms_norm(q, lw["q_norm"], eps), pos, base, rotary)
         k = rope(rms_norm(mm("btd,dkh->btkh", h, lw["k"]), lw["k_norm"], eps), pos, base, rotary)
@@ -215,7 +216,7 @@ def forward(
 
     @partial(jax.checkpoint, static_argnums=(3, 4))  # recomputed in the backward pass, not stored
     def layer(x, kv, stack, kind, i):  # the i-th layer of its kind
-        lw = jax.tree.map(lambda a: a[i].astype(dtype), stack)
+        lw = jax.tree.map(lambda a: a[i].astype(dtype), stack)  # A_log, dt_bias too (as HF)
         h = rms_norm(x, lw["attn_norm"], eps)
         if kind == "full_attention":
             h, kv = full_attention(h, lw, kv, i)
@@ -229,10 +230,9 @@ def forward(
 
     # the layers in config order, a Python loop: the kinds interleave, each with its own weights
     kv = None if kv is None else dict(kv, pos=kpos)
-    types = cfg["layer_types"]
-    for j, kind in enumerate(types):
+    for j, kind in enumerate(cfg["layer_types"]):
         stack = w["full"] if kind == "full_attention" else w["linear"]
-        x, kv = layer(x, kv, stack, kind, types[:j].count(kind))
+        x, kv = layer(x, kv, stack, kind, cfg["layer_types"][:j].count(kind))
     x = rms_norm(x if last is None else x[:, -last:], w["norm"], eps)
     head = w["embed"] if cfg.get("tie_word_embeddings") else w["lm_head"]  # [V, D]
     return mm("btd,vd->btv", x, head.astype(dtype)).astype(F32), kv
