@@ -13,6 +13,7 @@ harness        flags and their checks, logs, resumable state, Ctrl-C
 compare        --compare: centring off and on from the same start, per seed and level
 sweep          --sweep's statistics: paired intervals, verdicts, the figures
 report         python -m lab.report DIR: a --compare recomputed from its files, with intervals
+corrections    python -m lab.corrections DIR: sweeps of each --correction, a table a level
 plan           --plan: the bytes each device holds, from config.json alone
 bench          python -m lab.bench: how fast train.py samples and trains, against the limits
 step           python -m lab.step: one GRPO step of train.py, part by part

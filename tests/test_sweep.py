@@ -357,3 +357,36 @@ def test_kl_table_shows_eight_windows_evenly_spaced_with_the_first_and_the_last(
     assert [float(x) for x in u] == pytest.approx([int(s) / 1e4 + 0.005 for s in head], rel=5e-3)
     c = next(line for line in out if line.startswith("int8 c ")).split()[2:]
     assert [float(x) for x in c] == pytest.approx([int(s) / 1e4 + 0.055 for s in head], rel=5e-3)
+
+
+def test_corrections_table_recomputes_each_level_from_the_runs(tmp_path, capsys):
+    """lab.corrections reads one folder a sweep and recomputes each row from the runs' summaries,
+    not from the sweep's stored row (set to nonsense here): the gain is the paired mean of the last
+    LAST evaluations in points, gain_100 the last evaluation's, the ratio the geometric mean."""
+    from lab import corrections
+
+    u = [[0.2, 0.3, 0.4, 0.5, 0.6], [0.2, 0.3, 0.3, 0.3, 0.4], [0.1, 0.2, 0.2, 0.4, 0.2]]
+    c = [[0.2, 0.4, 0.4, 0.6, 0.7], [0.2, 0.3, 0.4, 0.4, 0.4], [0.1, 0.3, 0.3, 0.4, 0.5]]
+    du, dc = [[0, 1, 2, 3, 4.0]] * 3, [[0, 1, 1, 1, 2.0], [0, 1, 1, 1, 1.0], [0, 1, 1, 1, 4.0]]
+    for name, correction, stale, level in [
+        ("quant-tis", "tis:2", 0, "fp8_kv_fp8"),
+        ("quant-none", None, 0, "fp8_kv_fp8"),
+        ("stale-none", None, 7, "bf16"),
+    ]:
+        os.makedirs(tmp_path / name)
+        json.dump(
+            dict(correction=correction, staleness=stale), open(tmp_path / name / "run.json", "w")
+        )
+        runs = _level(u, c, du, dc)
+        summary = dict(levels={level: dict(gain=99.0, runs=runs)})
+        json.dump(summary, open(tmp_path / name / "summary.json", "w"))
+    tables = corrections.report(str(tmp_path))
+    assert list(tables) == ["fp8_kv_fp8", "bf16, staleness 7"]
+    assert list(tables["fp8_kv_fp8"]) == ["none", "tis:2"]  # the uncorrected row first
+    row = tables["bf16, staleness 7"]["none"]
+    gain = 100 * np.mean(np.mean(np.subtract(c, u)[:, -sweep.LAST :], axis=1))  # last LAST
+    assert row["gain"].startswith(f"{gain:+.1f} [")
+    assert row["gain_100"].startswith(f"{np.mean(np.subtract(c, u)[:, -1]) * 100:+.1f} [")
+    ratio = np.exp(np.mean(np.log(np.array(du)[:, -1] / np.array(dc)[:, -1])))
+    assert row["ratio"].startswith(f"{ratio:.2f} [")
+    assert "fp8_kv_fp8: 3 seeds" in capsys.readouterr().out

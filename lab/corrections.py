@@ -1,0 +1,54 @@
+"""python -m lab.corrections DIR: docs/corrections.md's tables, recomputed from the files of the
+sweeps in DIR, one `train.py --sweep` a folder (its run.json and summary.json): each correction
+with and without centring at each level of mismatch. A level's row is computed again from its
+runs' summaries (lab.sweep.row), not read from the sweep's own row; gain_100 is the gain at the
+last evaluation alone, where gain is the mean of the last LAST evaluations (lab.sweep)."""
+
+import argparse
+import glob
+import json
+import os
+
+from lab import harness, sweep
+
+
+def read(folder):  # {level: {correction: {run: summary}}}, "none" first, then the folders' order
+    levels = {}
+    for file in sorted(glob.glob(os.path.join(folder, "*", "summary.json"))):
+        config = json.load(open(os.path.join(os.path.dirname(file), "run.json")))
+        stale = f", staleness {config['staleness']}" if config["staleness"] else ""
+        for level, res in json.load(open(file))["levels"].items():
+            levels.setdefault(level + stale, {})[config["correction"] or "none"] = res["runs"]
+    if not levels:
+        raise SystemExit(f"{folder} holds no finished --sweep (NAME/summary.json and run.json)")
+    return {
+        level: dict(sorted(c.items(), key=lambda i: i[0] != "none")) for level, c in levels.items()
+    }
+
+
+def report(folder):  # prints a table a level; returns {level: {correction: row}}
+    columns = {k: f for k, f in sweep.COLUMNS.items() if k not in ("from_step", "verdict")}
+    tables = {}
+    for level, corrections in read(folder).items():
+        rows = {}
+        for name, res in corrections.items():
+            r = sweep.shown(sweep.row(res))
+            at = r["steps"]  # the gain at the last evaluation, with its interval
+            span = sweep.span(at["gain"][-1], at["gain_lo"][-1], at["gain_hi"][-1], "{:+.1f}")
+            rows[name] = r | dict(gain_100=span)
+        print(f"\n{level}: {len(sweep.by_seed(res))} seeds, {at['step'][-1]} steps")
+        harness.table("correction", rows, columns | dict(gain_100="{:>21}"))
+        tables[level] = rows
+    print(
+        f"\nu: --correction alone, c: with centring; final: the mean of a run's last {sweep.LAST} "
+        "evaluations\ngain: c - u final of the same seed, in points [95% paired t-interval]; "
+        "gain_100: the same at the last evaluation alone\nratio: drift u / c at the end of the "
+        "same seed: geometric mean [95%]"
+    )
+    return tables
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("folder", help="a folder of --sweep outputs, one a correction and setting")
+    report(p.parse_args().folder)
