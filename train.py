@@ -2,7 +2,7 @@
 
     python train.py --center                       # Qwen3-0.6B on GSM8K, score-centred
     python train.py --compare --out runs/gsm8k     # centring off, then on: same seed and noise
-    python train.py --task sequence --compare      # what drift costs, on a CPU: about 40 s
+    python train.py --task sequence --compare      # what drift costs, on a CPU: 1 to 3 min
     python train.py --task chain --compare         # GSM8K's shape: one reward after a long answer
 
 What it is: REINFORCE with a group-mean baseline, whose rollouts come from a copy of the policy that
@@ -45,7 +45,7 @@ STATE_DTYPES = dict(bf16=jnp.bfloat16, fp16=jnp.float16)  # --state-dtype: Qwen3
 # The sampler: a copy of the weights in its own numerics; KV-cache decoding that records q
 
 
-QMAX = dict(int8=127.0, int4=7.0, fp8=448.0)  # the largest magnitude each format holds
+QMAX = dict(int8=127.0, int4=7.0, fp8=448.0)  # the symmetric range's top: a scale maps |x| here
 
 
 def fake_quant(x, axes, kind):  # symmetric, one scale per slice reduced over `axes`
@@ -87,7 +87,7 @@ def sampler_weights(w, kind, sigma=0.0, key=None):
 
 
 def quant_mm(kind):  # W8A8: the activation is fake-quantised per token (over the contracted axes)
-    def mm(spec, x, w):  # spec "btd,dnh->btnh": x's letters, then the output's
+    def mm(spec, x, w):  # spec "btd,dnh->btnh": x's letters, w's, then the output's
         x_axes, out = spec.split(",")[0], spec.split("->")[1]
         # the axes of x the einsum sums over (here d): one scale per (b, t), i.e. per token
         per_token = tuple(i for i, c in enumerate(x_axes) if c not in out)
@@ -104,9 +104,9 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False, gr
     """fn(weights, prompt [B, T0], pos [B, T0], key) -> dict of tokens, logq, mask [B, M] and the
     head: head_ids, head_logq [B, M, k], log q after temperature, normalised over all V (topk 0:
     the full [B, M, V] log q, no ids). Prefills once, then decodes a token a step until every row
-    has ended its turn. numerics: forward's mm (quant_mm), dtype (SAMPLER_DTYPES), kv_quant, and
-    Qwen3.5's state_dtype. group: the rows come in runs of `group` copies of one prompt, each run
-    prefilled once. The model (qwen3.py or qwen3_5.py) is the one cfg names."""
+    has ended its turn, or M. numerics: forward's mm (quant_mm), dtype (SAMPLER_DTYPES), kv_quant,
+    and Qwen3.5's state_dtype. group: the rows come in runs of `group` copies of one prompt, each
+    run prefilled once. The model (qwen3.py or qwen3_5.py) is the one cfg names."""
     numerics = dict(dtype=SAMPLER_DTYPES["bf16"]) | (numerics or {})
     fwd, eos = partial(model(cfg).forward, cfg, **numerics), jnp.array(eos_ids)
 
@@ -114,8 +114,8 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False, gr
         B, T0 = prompt.shape
         M, k = max_tokens, topk or cfg["vocab_size"]
 
-        # prefill: each prompt into the KV cache once, then copied to its group's rows; the logits
-        # that predict the first token
+        # prefill: each run's prompt into the KV cache once, then copied to its rows; last=1: the
+        # last position's logits alone, [B / group, 1, V], which predict token 0
         cache = model(cfg).init_kv(cfg, B // group, T0 + M, numerics["dtype"])
         logits, cache = fwd(w, prompt[::group], pos[::group], cache, 0, last=1)
 
@@ -130,7 +130,7 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False, gr
             logq = jax.nn.log_softmax(logits[:, -1] / TEMPERATURE)  # [B, V]
             y = jnp.argmax(logq, -1) if greedy else rollouts.categorical(k_sample, logq)  # [B]
             logq_y = jnp.take_along_axis(logq, y[:, None], -1)[:, 0]
-            rec = dict(tokens=y, logq=logq_y, mask=~done, head_logq=logq)  # EOS: trained
+            rec = dict(tokens=y, logq=logq_y, mask=~done, head_logq=logq)  # mask: EOS included
             if topk:
                 rec["head_logq"], rec["head_ids"] = jax.lax.top_k(logq, topk)
             out = {name: x.at[i].set(rec[name]) for name, x in out.items()}
@@ -169,11 +169,11 @@ def completion_logits(cfg, w, prompt, pos, tokens, mm=jnp.einsum, group=1):
     fwd = partial(model(cfg).forward, cfg, w, mm=mm)
     with jax.default_matmul_precision("highest"):  # a float32 trainer, not TF32 or bf16 passes
         cache = model(cfg).init_kv(cfg, B // group, T0 + M)
-        runs = [x.reshape(B // group, group, T0)[:, 0] for x in (prompt, pos)]  # a run's first row
-        first, cache = fwd(*runs, cache, 0, last=1)  # predicts token 0
+        first, cache = fwd(prompt[::group], pos[::group], cache, 0, last=1)  # each run's first row
         cache = {name: jnp.repeat(x, group, 0 if name == "pos" else 1) for name, x in cache.items()}
         rest, _ = fwd(tokens, pos[:, -1:] + 1 + jnp.arange(M)[None, :], cache, T0)
-    # position T0 - 1 + t predicts token t: first, then the rest's but the last token's
+    # cache slot T0 - 1 + t predicts token t: `first` for t = 0, then rest[:, t - 1] (rest's last:
+    # unused)
     return jnp.concatenate([jnp.repeat(first, group, 0), rest[:, :-1]], 1) / TEMPERATURE
 
 
@@ -191,7 +191,7 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, correction=None, lora_s
     over the devices, the loss a token mean over the batch; weights and optimizer state split as
     `shardings` says (LoRA adapters: whole)."""
     flags = dict(center=center, correction=correction)  # all that --center changes: a keyword
-    g = math.gcd(group, micro_batch // mesh.size)  # rows sharing a prompt forward, on one device
+    g = math.gcd(group, micro_batch // mesh.size)  # rows a prefill serves: all on one device
 
     def token_sum_loss(params, base, b):
         w = params if base is None else lora.attach(params, base)  # LoRA: W and its adapters
@@ -199,10 +199,10 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, correction=None, lora_s
         logits = completion_logits(cfg, w, b["prompt"], b["pos"], b["tokens"], mm, g)
         head = b["head_logq"], b.get("head_ids")  # the sampler's top-k log q and ids (topk 0: none)
         loss, metrics = sc.loss(logits, b["tokens"], b["mask"], b["adv"], b["logq"], *head, **flags)
-        return loss * b["mask"].sum(), (metrics, b["mask"].sum())  # token sums: / n_tokens below
+        return loss * b["mask"].sum(), (metrics, b["mask"].sum())  # the token mean, back to a sum
 
-    # [B, ...] -> [passes, mb, ...], no row changing device: each device holds a contiguous block,
-    # a pass takes runs of g rows from every block (B 8, g 2, mb 4: 0, 1, 4, 5, then 2, 3, 6, 7)
+    # [B, ...] -> [mb/g, passes, g] -> [passes, mb]: pass j takes run j of g rows from each of mb/g
+    # contiguous blocks, so no row changes device (B 8, g 2, mb 4: rows 0, 1, 4, 5; then 2, 3, 6, 7)
     def micro_batches(x):
         x = x.reshape(micro_batch // g, -1, g, *x.shape[1:]).swapaxes(0, 1)
         x = x.reshape(-1, micro_batch, *x.shape[3:])
@@ -261,12 +261,12 @@ def grpo(
     evaluate,
     record,
 ):
-    """'GRPO' from step `start` to `steps`; state: the policy's params (weights or LoRA adapters),
-    their optimizer state and the sampler's copy (None: made first). refresh(params) -> the copy;
-    sample(w_sampler, step) -> the step's rollouts (tokens, mask, log q, its head) and golds;
-    reward(tokens, mask, golds) -> [B]; train_step(params, opt_state, batch) -> (params, opt_state,
-    metrics); evaluate(params) -> drift, held-out score; record(row, params, opt_state, copy).
-    `run`, below, defines each of them for one run."""
+    """'GRPO': updates at steps start..steps - 1, `steps` only evaluated; state: the policy's params
+    (weights or LoRA adapters), their optimizer state and the sampler's copy (None: made first).
+    refresh(params) -> the copy; sample(w_sampler, step) -> the batch (the sampler's record, its
+    prompt and pos) and golds; reward(tokens, mask, golds) -> [B]; train_step(params, opt_state,
+    batch) -> (params, opt_state, metrics); evaluate(params) -> drift, held-out score; record(row,
+    params, opt_state, copy). `run`, below, defines each of them for one run."""
     params, opt_state, w_sampler = state
     for step in range(start, steps + 1):
         row = dict(step=step)
@@ -325,7 +325,7 @@ def build(args, cfg, eos):
     flags = dict(correction=harness.correction(args.correction), lora_scale=scale, group=args.group)
 
     @cache
-    def samplers(kind, kv=None, state=None):  # W8A8 kind, the KV cache's kind, the state's dtype
+    def samplers(kind, kv=None, state=None):  # sampler kind, the KV cache's kind, the state's dtype
         numerics = dict(mm=quant_mm(kind), kv_quant=kv_quant(kv), dtype=SAMPLER_DTYPES[kind])
         if state:  # Qwen3.5's recurrent state held at bf16 or fp16 (a dense model has none)
             numerics["state_dtype"] = STATE_DTYPES[state]
@@ -356,11 +356,11 @@ def run(args, task, fn, center, seed, out, prefix=""):
         adapters = lora.init(w, args.lora, lora_key, INPUT_AXES)
         params, base = jax.device_put(adapters, replicated), w
     where = replicated if args.lora else shardings(jax.eval_shape(fn.opt.init, params), fn.mesh)
-    opt_state = jax.jit(fn.opt.init, out_shardings=where)(params)  # no device holds all of Adam's
+    opt_state = jax.jit(fn.opt.init, out_shardings=where)(params)  # made split: never whole
 
     policy = partial(fn.policy, base=base)  # the weights of params (LoRA: merged into the base)
 
-    def copy(params, kind="bf16", sigma=0.0):  # the sampler's: whole on every device
+    def copy(params, kind="bf16", sigma=0.0):  # a sampler's, whole on every device (default: clean)
         return jax.device_put(sampler_weights(policy(params), kind, sigma, noise_key), replicated)
 
     # the drift meter, on completions drawn once from p_0's clean bf16 copy; the held-out score.
