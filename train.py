@@ -162,18 +162,18 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False, gr
 
 def completion_logits(cfg, w, prompt, pos, tokens, mm=jnp.einsum, group=1):
     """The trainer's float32 logits [B, M, V] at the positions that predict tokens [B, M].
-    group: rows come in runs of `group` copies of one prompt (unchecked: each row gets its run's
-    first prompt); that prompt runs once, like the sampler's prefill, and its cache (K, V; Qwen3.5
-    conv window, state) is repeated to the run's rows: repeat's backward sums their gradients."""
+    group: rows come in runs of `group` copies of a prompt (unchecked); a run's first row runs once,
+    as the sampler's prefill (taken by a reshape: [::group] hung XLA's CPU collectives), its cache
+    (K, V; Qwen3.5 conv window, state) repeated to its rows, repeat's backward summing gradients."""
     (B, T0), M = prompt.shape, tokens.shape[1]
     fwd = partial(model(cfg).forward, cfg, w, mm=mm)
     with jax.default_matmul_precision("highest"):  # a float32 trainer, not TF32 or bf16 passes
         cache = model(cfg).init_kv(cfg, B // group, T0 + M)
-        first, cache = fwd(prompt[::group], pos[::group], cache, 0, last=1)  # each run's first row
+        runs = [x.reshape(B // group, group, T0)[:, 0] for x in (prompt, pos)]  # a run's first row
+        first, cache = fwd(*runs, cache, 0, last=1)  # predicts token 0
         cache = {name: jnp.repeat(x, group, 0 if name == "pos" else 1) for name, x in cache.items()}
         rest, _ = fwd(tokens, pos[:, -1:] + 1 + jnp.arange(M)[None, :], cache, T0)
-    # cache slot T0 - 1 + t predicts token t: `first` for t = 0, then rest[:, t - 1] (rest's last:
-    # unused)
+    # cache slot T0 - 1 + t predicts token t: `first` for t = 0, then rest[:, t - 1] (not its last)
     return jnp.concatenate([jnp.repeat(first, group, 0), rest[:, :-1]], 1) / TEMPERATURE
 
 
