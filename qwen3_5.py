@@ -88,18 +88,18 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
         return jnp.moveaxis(a.reshape(B, n, size, *a.shape[2:]), (1, 3), (0, 2))
 
     q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
-    # decays: exp(gam) from the chunk's start to t, decay[t, s] from s to t (≤ 1: g ≤ 0); the cap
-    # at 0 bites only above the diagonal, where exp could reach inf and, masked, NaN the gradients
+    # step 1 (docs): exp(gam) decays from the chunk's start to t, decay[t, s] from s to t (≤ 1, as
+    # g ≤ 0); capped at 0 only above the diagonal, where exp could reach inf and NaN the gradients
     gam = jnp.cumsum(g, axis=-1)  # [n, B, U, size]
     decay = jnp.tril(jnp.exp(jnp.minimum(gam[..., :, None] - gam[..., None, :], 0)))
-    # a write u_t = beta_t (v_t - (e^g_t M_t-1)^T k_t) reads the chunk's earlier writes, decayed:
+    # step 2: a write u_t = beta_t (v_t - (e^g_t M_t-1)^T k_t) reads the chunk's earlier writes:
     # (I + A) u = beta (v - exp(gam) M^T k), M the chunk's start, A[t, s] = beta_t decay k_t·k_s
     A = jnp.tril(jnp.einsum("nbute,nbuse->nbuts", k, k) * decay, -1) * beta[..., None]
     u_0 = unit_lower_solve(A, v * beta[..., None])  # the writes if M = 0
     u_M = unit_lower_solve(A, k * (beta * jnp.exp(gam))[..., None])  # u = u_0 - u_M M
-    attn = jnp.einsum("nbute,nbuse->nbuts", q, k) * decay
+    attn = jnp.einsum("nbute,nbuse->nbuts", q, k) * decay  # step 3's (q_t · k_s) decay[t, s]
 
-    def step(M, xs):  # across chunks, M the state at a chunk's start: its outputs, M at its end
+    def step(M, xs):  # steps 3-4 across chunks, M the state at a chunk's start: its o, M at its end
         u_0, u_M, attn, q, k, gam = xs
         u = u_0 - jnp.einsum("bute,buey->buty", u_M, M)
         o = jnp.einsum("bute,buey->buty", q * jnp.exp(gam)[..., None], M)
