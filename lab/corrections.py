@@ -35,8 +35,9 @@ def report(folder):  # prints a table a level; returns {level: {correction: row}
             r = sweep.shown(sweep.row(res))
             at = r["steps"]  # the gain at the last evaluation, with its interval
             span = sweep.span(at["gain"][-1], at["gain_lo"][-1], at["gain_hi"][-1], "{:+.1f}")
-            rows[name] = r | dict(gain_100=span)
-        print(f"\n{level}: {len(sweep.by_seed(res))} seeds, {at['step'][-1]} steps")
+            rows[name] = r | dict(gain_100=span, seeds=len(sweep.by_seed(res)), last=at["step"][-1])
+        shapes = sorted({(r["seeds"], r["last"]) for r in rows.values()})  # (seeds, last step)
+        print(f"\n{level}: " + "; ".join(f"{n} seeds, {last} steps" for n, last in shapes))
         harness.table("correction", rows, columns | dict(gain_100="{:>21}"))
         tables[level] = rows
     print(
