@@ -71,7 +71,7 @@ def solve_backward(kept, du):  # u = (I + A)^-1 x: x̄ = (I + A)^-T ū, Ā = -x�
     A, u = kept
     flipped = jnp.flip(jnp.swapaxes(A, -1, -2), (-2, -1))  # P Aᵀ P, P the reversal: lower
     dx = jnp.flip(unit_lower_solve(flipped, jnp.flip(du, -2)), -2)  # P (I + P Aᵀ P)^-1 P ū
-    return -jnp.tril(jnp.einsum("...ty,...sy->...ts", dx, u), -1), dx
+    return -jnp.tril(jnp.einsum("...ty,...sy->...ts", dx, u), -1), dx  # (Ā, x̄), as (A, x)
 
 
 unit_lower_solve.defvjp(solve_forward, solve_backward)
@@ -79,7 +79,7 @@ unit_lower_solve.defvjp(solve_forward, solve_backward)
 
 def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
     """The same over T tokens (a T axis after B), 64 a chunk (docs/qwen3_5.md derives it): in a
-    chunk a triangular solve, then matmuls; the state passed on, rounded to state_dtype."""
+    chunk two triangular solves, then matmuls; the state passed on, rounded to state_dtype."""
     B, T = g.shape[:2]
     n = -(-T // size)
 
@@ -89,7 +89,7 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
 
     q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
     # step 1 (docs): exp(gam) decays from the chunk's start to t, decay[t, s] from s to t (≤ 1, as
-    # g ≤ 0); capped at 0 only above the diagonal, where exp could reach inf and NaN the gradients
+    # g ≤ 0); the cap at 0 acts above the diagonal alone, where exp could be inf: NaN gradients
     gam = jnp.cumsum(g, axis=-1)  # [n, B, U, size]
     decay = jnp.tril(jnp.exp(jnp.minimum(gam[..., :, None] - gam[..., None, :], 0)))
     # step 2: a write u_t = beta_t (v_t - (e^g_t M_t-1)^T k_t) reads the chunk's earlier writes:
@@ -102,9 +102,9 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
     def step(M, xs):  # steps 3-4 across chunks, M the state at a chunk's start: its o, M at its end
         u_0, u_M, attn, q, k, gam = xs
         u = u_0 - jnp.einsum("bute,buey->buty", u_M, M)
-        o = jnp.einsum("bute,buey->buty", q * jnp.exp(gam)[..., None], M)
+        o = jnp.einsum("bute,buey->buty", q * jnp.exp(gam)[..., None], M)  # e^gam_t M^T q_t
         o = o + jnp.einsum("buts,busy->buty", attn, u)
-        k_to_end = k * jnp.exp(gam[..., -1:] - gam)[..., None]
+        k_to_end = k * jnp.exp(gam[..., -1:] - gam)[..., None]  # step 1 at the chunk's end
         M = M * jnp.exp(gam[..., -1])[..., None, None] + jnp.einsum("buse,busy->buey", k_to_end, u)
         return M.astype(state_dtype).astype(F32), o
 
@@ -119,7 +119,7 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype):
     J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
     U, Y = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
     B, T, _ = h.shape
-    # projections; g = -exp(A_log) softplus(a) ≤ 0; padding zeroes conv input, beta, g: skipped
+    # projections; g = -exp(A_log) softplus(a + dt_bias) ≤ 0; padding zeroes conv input, beta, g
     qkv = jnp.where(real, mm("btd,dc->btc", h, lw["qkv"]), 0)  # [B, T, C]
     z = mm("btd,duy->btuy", h, lw["z"])
     beta = jnp.where(real, jax.nn.sigmoid(mm("btd,du->btu", h, lw["b"])).astype(F32), 0)
@@ -188,7 +188,7 @@ def forward(
     cache's conv inputs and state. state_dtype: the state's precision. mm(spec, activation, w)."""
     eps, H = cfg["rms_norm_eps"], cfg["head_dim"]
     base = cfg["rope_parameters"]["rope_theta"]
-    rotary = int(H * cfg["rope_parameters"]["partial_rotary_factor"])
+    rotary = int(H * cfg["rope_parameters"]["partial_rotary_factor"])  # mrope: = RoPE on text
     kpos = pos if kv is None else jax.lax.dynamic_update_slice(kv["pos"], pos, (0, start))
     mask = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= pos[:, :, None])  # [B, T, S]
     x = w["embed"][tokens].astype(dtype)  # [B, T, D]
