@@ -22,7 +22,7 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    q = p or E_q[A | h] = 0, and follows the sign of the prefix's mean advantage (positive pulls
 #    p toward q, negative pushes it away). The second term is the signal.
 # 5. Drift accumulates. A sampler rebuilt from each step's weights carries the same bias again
-#    (same quantiser, same noise): q stays ahead of p, so the pull never ends (logits unbounded).
+#    (same quantiser, same noise): the target moves with p, so the pull never ends (no bound).
 #    A frozen q is a fixed target: pulled, p stops at it; pushed, no bound. A stale one trails p.
 # 6. A group-mean baseline (GRPO) zeroes the group's mean advantage, not E_q[A | h] at each prefix:
 #    drift survives it in sequences (in a one-step bandit, one prefix for all, it vanishes exactly).
@@ -40,9 +40,9 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    TIS: f(r) = min(r, C), m = min(p, C q). MIS (IcePop): [lo, hi], 0 outside: m = p or 0 (on
 #    [0, ∞): full IS, m = p, drift-free but noisy). CISPO: r clamped into [1 − ε_low, 1 + ε_high].
 #    PPO, q the old policy (DAPO: ε_high > ε_low): [0, 1 + ε_high] for A > 0, [1 − ε_low, ∞] (or a
-#    dual clip) for A ≤ 0, 0 outside; the token's band holds for every v, m_v = q(v) f(r_v, sign A),
-#    so a constant A of either sign has no expected update. A row's weight w (GSPO: PPO's band on
-#    its r's geometric mean; TOPR: 1 where A > 0, else its r's product capped at 1): A → w A, m = q.
+#    dual clip) for A ≤ 0, 0 outside; the sampled token's sign of A picks one band for every v,
+#    m_v = q(v) f(r_v, sign A): a constant A of either sign has no expected update. A row's weight
+#    w (GSPO: PPO's band on its r's geometric mean; TOPR: 1 if A > 0, else min(Π r, 1)): A → w A.
 # 10. Top-k. q over a 151k vocabulary at every token is too big to keep: the sampler records its
 #     head, its k most likely ids and their log q. Off the head, model q as the trainer's p
 #     scaled to the mass that q leaves there (FLOOR bounds both masses from below):
@@ -77,7 +77,7 @@ class Correction(NamedTuple):
     level: str = "token"  # or one weight per row: "sequence" (GSPO), "trajectory" (TOPR)
 
 
-NONE = Correction("none", (1.0, 1.0), (1.0, 1.0), clamp=True)  # f = 1: m = q (steps 7 and 8)
+NONE = Correction("none", (1.0, 1.0), (1.0, 1.0), clamp=True)  # f = 1 for any r: m = q, α = ρ
 
 
 def tis(cap):  # truncated IS: f(r) = min(r, C)
@@ -175,7 +175,7 @@ def loss(
     if corr.level != "token":  # the mean (GSPO) or sum (TOPR) of the row's log r, at each token
         n = mask.sum(-1, keepdims=True) if corr.level == "sequence" else 1
         log_r = jnp.where(mask, log_ratio, 0.0).sum(-1, keepdims=True) / jnp.maximum(n, 1)
-    log_f = log_mass(corr, 0.0, log_r, A > 0)  # [B, T] log f(r) = log m(q = 1, p = r)
+    log_f = log_mass(corr, 0.0, log_r, A > 0)  # [B, T] log f(r), as f(r) = m(1, r); NONE: 0
     if correction is not None:  # the share of tokens weighted other than by their (row's) r
         metrics["clipped"] = token_mean(log_f != log_r)
     if corr.level != "token":  # a row's weight scales its advantage; its tokens enter with m = q
@@ -185,7 +185,7 @@ def loss(
     if head_logprobs is None:  # uncentred (center=False), and no head to measure: done
         return -token_mean(A * score), metrics
 
-    # tail model (step 10); exact centring (no head_ids): the head is all of V, k = V (step 11)
+    # tail model (step 10). Exact (no head_ids): head = V, α's terms cancel to Σ m log p (step 11)
     logq_head = sg(trained(head_logprobs.astype(jnp.float32)))  # [B, T, k]
     logp_head = logp if head_ids is None else _gather(logp, head_ids)  # [B, T, k]
     sg_logp_head = sg(logp_head)
