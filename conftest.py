@@ -17,5 +17,8 @@ import jax  # after XLA_FLAGS: jax reads them when it starts
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_numpy_rank_promotion", "raise")  # implicit rank promotion raises
 # the train.py tests compile the same programs run after run: keep them on disk for the session
-jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.mkdtemp(), "jax-cache"))
+# (one folder for xdist's workers of one run, which compile many of the same programs)
+run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+cache = os.path.join(tempfile.gettempdir(), f"jax-cache-{run}") if run else tempfile.mkdtemp()
+jax.config.update("jax_compilation_cache_dir", cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
