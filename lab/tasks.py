@@ -71,7 +71,7 @@ RECIPE = {  # per task, the defaults of the flags that depend on it
     ),
 }
 RECIPE["chain-hybrid"] = RECIPE["chain"]
-# --sweep on the tiny tasks: 8 seeds; on the sequence task about 10 minutes on 2 cores
+# --sweep on the tiny tasks: 8 seeds; on the sequence task about 8 minutes on 2 cores
 # (docs/sweep.md); exact centring over V = 1,024 (no tail model, and faster on a CPU than top-128)
 SWEEP_RECIPE = dict(seeds=tuple(range(8)), steps=150, eval_every=25, topk=0)
 # --sweep's levels of mismatch (harness.levels): bf16 with fixed weight noise σ, W8A8 int8 or fp8,
