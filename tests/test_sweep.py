@@ -359,10 +359,15 @@ def test_kl_table_shows_eight_windows_evenly_spaced_with_the_first_and_the_last(
     assert [float(x) for x in c] == pytest.approx([int(s) / 1e4 + 0.055 for s in head], rel=5e-3)
 
 
+TIS_U = [[0.2, 0.1, 0.1, 0.2, 0.3], [0.2, 0.1, 0.2, 0.2, 0.2], [0.1, 0.3, 0.3, 0.3, 0.3]]
+
+
 def test_corrections_table_recomputes_each_level_from_the_runs(tmp_path, capsys):
     """lab.corrections reads one folder a sweep and recomputes each row from the runs' summaries,
     not from the sweep's stored row (set to nonsense here): the gain is the paired mean of the last
-    LAST evaluations in points, gain_100 the last evaluation's, the ratio the geometric mean."""
+    LAST evaluations in points, gain_100 the last evaluation's, the ratio the geometric mean;
+    vs_none pairs each seed's centred run with no correction with that seed's run of the correction
+    alone (another sweep)."""
     from lab import corrections
 
     u = [[0.2, 0.3, 0.4, 0.5, 0.6], [0.2, 0.3, 0.3, 0.3, 0.4], [0.1, 0.2, 0.2, 0.4, 0.2]]
@@ -377,7 +382,7 @@ def test_corrections_table_recomputes_each_level_from_the_runs(tmp_path, capsys)
         json.dump(
             dict(correction=correction, staleness=stale), open(tmp_path / name / "run.json", "w")
         )
-        runs = _level(u, c, du, dc)
+        runs = _level(TIS_U if correction else u, c, du, dc)
         summary = dict(levels={level: dict(gain=99.0, runs=runs)})
         json.dump(summary, open(tmp_path / name / "summary.json", "w"))
     tables = corrections.report(str(tmp_path))
@@ -390,3 +395,6 @@ def test_corrections_table_recomputes_each_level_from_the_runs(tmp_path, capsys)
     ratio = np.exp(np.mean(np.log(np.array(du)[:, -1] / np.array(dc)[:, -1])))
     assert row["ratio"].startswith(f"{ratio:.2f} [")
     assert "fp8_kv_fp8: 3 seeds" in capsys.readouterr().out
+    vs_none = 100 * np.mean(np.subtract(c, TIS_U)[:, -sweep.LAST :])  # none's c, tis's u
+    assert tables["fp8_kv_fp8"]["tis:2"]["vs_none"].startswith(f"{vs_none:+.1f} [")
+    assert tables["fp8_kv_fp8"]["none"]["vs_none"] == tables["fp8_kv_fp8"]["none"]["gain"]
