@@ -183,7 +183,7 @@ def loss(
     f_y = jnp.exp(log_f)  # sg(f(r_y)): a weight 0 weighs 0, even at p(y) = 0 (a -inf logit)
     score = jnp.where(f_y == 0, 0.0, f_y * logp_y)  # sg(f(r_y)) log p(y)
     if head_logprobs is None:  # uncentred (center=False), and no head to measure: done
-        return -token_mean(A * score), metrics
+        return -token_mean(jnp.where(A == 0, 0.0, A * score)), metrics  # A = 0: 0, at p(y) = 0 too
 
     # tail model (step 10). Exact (no head_ids): head = V, α's terms cancel to Σ m log p (step 11)
     logq_head = sg(trained(head_logprobs.astype(jnp.float32)))  # [B, T, k]
@@ -202,7 +202,7 @@ def loss(
     # centred score: step 11's bracket; c log p = 0 where c = 0, even at p = 0 (a -inf logit)
     if center:
         score = score - jnp.where(c_head == 0, 0.0, c_head * logp_head).sum(-1) + alpha * entropy
-    return -token_mean(A * score), metrics
+    return -token_mean(jnp.where(A == 0, 0.0, A * score)), metrics  # A = 0 (a dropped row): 0
 
 
 def _gather(logp, ids):

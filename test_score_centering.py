@@ -733,6 +733,40 @@ def test_array_likes_give_the_same_result_as_arrays(kw):
             np.testing.assert_allclose(m2[k], m[k], rtol=1e-6, atol=1e-7, err_msg=k)
 
 
+@pytest.mark.parametrize("weight", ["advantage 0", "gspo", "topr"])
+@pytest.mark.parametrize("head", ["top-k", "exact", "none"])
+def test_a_token_weighted_0_through_its_advantage_contributes_0_even_at_p_0(weight, head):
+    """A weight 0 that comes through A, not f(r_y): a token of advantage 0, or a row of A < 0 that
+    GSPO (geometric-mean ratio below 1 − ε_low) or TOPR (product of ratios, at most 1) weighs 0.
+    With p(y) = 0 there (a -inf trainer logit) the loss and gradient are their limit, the logit 60
+    below its row's lowest; not 0 · log 0 = NaN."""
+    d = _batch(26)
+    y, mask = np.asarray(d["y"]), np.asarray(d["mask"])
+    b, t = np.argwhere(mask)[0]
+    A = np.broadcast_to(np.asarray(d["A"])[:, None], mask.shape).copy()
+    A[b] = -np.abs(A[b])  # the row's advantage below 0: GSPO and TOPR weigh it 0 (r = 0 or e^-60)
+    A[b, t] = 0.0 if weight == "advantage 0" else A[b, t]
+    kw = dict(
+        correction={"advantage 0": None, "gspo": sc.gspo(0.2, 0.2), "topr": sc.topr()}[weight]
+    )
+    heads = dict(exact=dict(head_logprobs=d["logq"]), none={})  # none: uncentred only
+    kw |= heads.get(head, dict(head_ids=d["ids"], head_logprobs=d["logq_H"]))
+    low, ruled_out = np.asarray(d["z"]).copy(), np.asarray(d["z"]).copy()
+    low[b, t, y[b, t]] = low[b, t].min() - 60.0
+    ruled_out[b, t, y[b, t]] = -np.inf
+    for center in (True, False)[head == "none" :]:
+
+        def f(z, center=center):
+            return sc.loss(z, d["y"], d["mask"], A, d["logq_y"], center=center, **kw)
+
+        (v, metrics), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(ruled_out))
+        (v_low, metrics_low), g_low = jax.value_and_grad(f, has_aux=True)(jnp.asarray(low))
+        np.testing.assert_allclose(v, v_low, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(g, g_low, rtol=1e-5, atol=1e-6)
+        for name in set(metrics) - {"kl_q_p", "logprob_gap", "clipped"}:  # inf; r = 0 not clipped
+            np.testing.assert_allclose(metrics[name], metrics_low[name], rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------------------------------
 # the README's snippet
 def test_readme_use_it_in_your_codebase_snippet_runs(capsys):
