@@ -1,7 +1,8 @@
 """python -m lab.report DIR [--plot FILE]: a --compare's numbers recomputed from the files its runs
 wrote (DIR/ARM_seedN/metrics.jsonl), finished or not: each seed's row, the means over the seeds
-with 95% t-intervals, lab.compare's verdict, whether the mismatch grew, and the curves. The docs
-quote the SmolLM2 runs from these files, committed without their saved states."""
+with 95% t-intervals, the drift ratio uncentred / centred, lab.compare's verdict, whether the
+mismatch grew, and the curves. The docs quote the SmolLM2 runs from these files, committed without
+their saved states."""
 
 import argparse
 import glob
@@ -28,6 +29,7 @@ def numbers(rows, last=None):  # a run's summary as lab.harness writes it, up to
     acc = {r["step"]: r["acc"] for r in rows if "acc" in r}
     final = max(acc)
     kl = [r["kl_q_p"] for r in rows if "loss" in r]
+    gap = [r["logprob_gap"] for r in rows if "loss" in r]  # |log p − log q|: never below 0
     return dict(
         eval_acc=acc,
         drift={r["step"]: r["drift"] for r in rows if "drift" in r},
@@ -38,6 +40,8 @@ def numbers(rows, last=None):  # a run's summary as lab.harness writes it, up to
         mean_kl_q_p=float(np.mean(kl)),
         kl_first=float(np.mean(kl[:10])),  # the mismatch over the first and the last 10 updates
         kl_last=float(np.mean(kl[-10:])),
+        gap_first=float(np.mean(gap[:10])),
+        gap_last=float(np.mean(gap[-10:])),
         step=final,
     )
 
@@ -56,6 +60,7 @@ def report(folder, plot=None):  # prints the tables and the verdict; returns the
 
     columns = dict(peak_acc="{:.3f}", final_acc="{:.3f}", drop="{:.3f}", final_drift="{:.2e}")
     columns |= dict(mean_kl_q_p="{:+.2e}", kl_first="{:+.2e}", kl_last="{:+.2e}")
+    columns |= dict(gap_first="{:.2e}", gap_last="{:.2e}")
     rows = {f"{arm}_seed{s}": r[arm] for s, r in res.items() for arm in ARMS}
     print(f"{folder}: {len(res)} seeds, step {last}")
     harness.table("run", rows, columns)
@@ -69,20 +74,30 @@ def report(folder, plot=None):  # prints the tables and the verdict; returns the
     for k, spans in intervals.items():
         f = "{:.2e}" if "kl" in k or "drift" in k else "{:.3f}"
         print(f"{k:22s} " + " ".join(f"{sweep.span(*s, f):>24s}" for s in spans))
+    # how much farther the uncentred policy walks: geometric mean, t-interval on the log ratio
+    ratio = sweep.ratio_interval(*([r[arm]["final_drift"] for r in res.values()] for arm in ARMS))
+    print(f"final drift uncentred / centred: {sweep.span(*ratio, '{:.2f}')}")
 
     config = json.load(open(os.path.join(folder, "run.json")))
     score = "held-out score" if config["task"] in tasks.TINY else "accuracy"  # as compare says it
     verdict = compare.verdict(list(res.values()), score)
-    grows = {arm: [r[arm]["kl_last"] > r[arm]["kl_first"] for r in res.values()] for arm in ARMS}
+
+    def grew(k, arm):  # the seeds whose mean over the last 10 updates exceeds the first 10's
+        return sum(r[arm][f"{k}_last"] > r[arm][f"{k}_first"] for r in res.values())
+
     growth = "; ".join(
-        f"{arm}: kl_q_p grew in {sum(g)} of {len(g)} seeds" for arm, g in grows.items()
+        f"{arm}: over the run kl_q_p grew in {grew('kl', arm)} of {len(res)} seeds, "
+        f"|log p - log q| in {grew('gap', arm)}"
+        for arm in ARMS
     )
     print(verdict, growth, sep="\n")
     if plot:
         title = f"{os.path.basename(config['model'])}, --task {config['task']}, --sampler "
         title += config["sampler"] + (f" + kv {config['kv_quant']}" if config["kv_quant"] else "")
         curves(plot, runs, last, title)
-    return dict(step=last, runs=res, intervals=intervals, verdict=verdict, growth=growth)
+    return dict(
+        step=last, runs=res, intervals=intervals, ratio=ratio, verdict=verdict, growth=growth
+    )
 
 
 def curves(file, runs, last, title):  # accuracy, drift, kl_q_p by step: off red, on blue, by seed

@@ -33,6 +33,12 @@ def test_a_compare_recomputes_from_its_files(tmp_path, capsys, sequence_compare)
     half = 12.7062 * np.std(d, ddof=1) / math.sqrt(2)
     mean, lo, hi = found["intervals"]["final_drift"][2]
     assert (mean, lo, hi) == pytest.approx((d.mean(), d.mean() - half, d.mean() + half), rel=1e-4)
+    # the drift ratio: exp of the mean log ratio, ± the same t-quantile on the logs
+    logs = np.log(np.divide(u, c))
+    half = 12.7062 * np.std(logs, ddof=1) / math.sqrt(2)
+    expected = np.exp([logs.mean(), logs.mean() - half, logs.mean() + half])
+    assert found["ratio"] == pytest.approx(tuple(expected), rel=1e-4)
+    assert f"final drift uncentred / centred: {found['ratio'][0]:.2f} [" in text
     assert found["verdict"] == summary["verdict"] and summary["verdict"] in text
     assert not plot or os.path.getsize(plot) > 1000
 
@@ -42,3 +48,33 @@ def test_a_folder_without_a_compare_is_refused_in_one_line(tmp_path):
     (tmp_path / "centered_seed0" / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
     with pytest.raises(SystemExit, match="no --compare run with both arms"):
         report.report(str(tmp_path))
+
+
+def test_growth_and_drift_ratio_from_made_up_runs(tmp_path, capsys):
+    """Two seeds of 21 rows: the mismatch (kl_q_p, |log p - log q|) grew in a seed when its mean
+    over the last 10 updates exceeds the first 10's; the drift ratio is the geometric mean of the
+    seeds' final drift uncentred / centred (2 and 4 here: sqrt 8)."""
+    (tmp_path / "run.json").write_text(
+        json.dumps(dict(task="arithmetic", model="m", sampler="fp8", kv_quant=None))
+    )
+    rising = dict(uncentered=[(True, True), (False, True)], centered=[(False, False)] * 2)
+    drift = dict(uncentered=[2.0, 8.0], centered=[1.0, 2.0])
+    for arm, seeds in rising.items():
+        for seed, (kl_up, gap_up) in enumerate(seeds):
+            rows = []
+            for step in range(21):
+                up = step / 20
+                row = dict(step=step, loss=0.0, kl_q_p=up if kl_up else 1 - up)
+                row["logprob_gap"] = 0.1 + (up if gap_up else -up / 20)
+                if step % 10 == 0:
+                    row |= dict(acc=0.5, drift=drift[arm][seed] * step / 20)
+                rows.append(json.dumps(row) + "\n")
+            (tmp_path / f"{arm}_seed{seed}").mkdir()
+            (tmp_path / f"{arm}_seed{seed}" / "metrics.jsonl").write_text("".join(rows))
+    found = report.report(str(tmp_path))
+    assert found["growth"] == (
+        "uncentered: over the run kl_q_p grew in 1 of 2 seeds, |log p - log q| in 2; "
+        "centered: over the run kl_q_p grew in 0 of 2 seeds, |log p - log q| in 0"
+    )
+    assert found["ratio"][0] == pytest.approx(math.sqrt(8), rel=1e-9)
+    assert "final drift uncentred / centred: 2.83 [" in capsys.readouterr().out
