@@ -7,6 +7,7 @@ and both times printed (the first compiles); the flags are train.py's.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -31,6 +32,25 @@ def timed(name, call, times=2):  # call() `times` times: its last result; prints
     return out
 
 
+def prefill_a_row(sampler, batch, sample, rows):
+    """The sampler with each row's prompt prefilled on its own, as before a group shared one
+    prefill, timed; the first completion token's sorted head of log q against the batch's (its
+    median and largest gap): quantisers turn the prefill's other order of sums into their steps."""
+    one = timed("sample, a prefill a row", lambda: sample(sampler, n=rows))
+    gap = np.abs(np.asarray(batch["head_logq"][:, 0]) - np.asarray(one["head_logq"][:, 0]))
+    print(json.dumps(dict(first_head_logq_gap=[float(np.median(gap)), float(gap.max())])))
+
+
+@contextlib.contextmanager
+def merged_lora(lora, scale):  # the trainer's LoRA merged into W first, as before lora.matmul
+    attach, matmul = lora.attach, lora.matmul
+    lora.attach, lora.matmul = partial(lora.merge, scale=scale), lambda s: jnp.einsum
+    try:
+        yield
+    finally:
+        lora.attach, lora.matmul = attach, matmul
+
+
 def main(argv, train):
     """train: the module whose programs are timed (train.py, passed in, not imported)."""
     args = harness.parse_args(argv)
@@ -51,8 +71,11 @@ def main(argv, train):
     problems = [task.train[i // args.group] for i in range(rows)]
     prompts, golds = [p for p, _ in problems], [g for _, g in problems]
     sampler = fn.samplers(args.sampler, args.kv_quant, args.state_dtype)
-    batch = timed(
-        "sample", lambda: rollouts.generate(sampler, w_q, prompts, task.pad, key, data, rows)
+    sample = partial(rollouts.generate, w=w_q, prompts=prompts, pad_id=task.pad, key=key, data=data)
+    batch = timed("sample", lambda: sample(sampler, n=rows))
+    a_row = train.build(argparse.Namespace(**vars(args) | dict(group=1)), task.cfg, task.eos)
+    prefill_a_row(
+        a_row.samplers(args.sampler, args.kv_quant, args.state_dtype), batch, sample, rows
     )
     rewards = np.asarray(task.reward(batch["tokens"], batch["mask"], golds), np.float32)
     batch["adv"] = train.advantage(rewards, args.group, args.baseline)
@@ -62,14 +85,17 @@ def main(argv, train):
         return step(*copy, jax.device_put(batch, data), base)
 
     timed("train step", lambda: train_step(batch))
+    if args.lora:  # and with the adapters merged into W first, as before lab.lora.matmul
+        with merged_lora(train.lora, args.lora_alpha / args.lora):
+            merged = train.build(args, task.cfg, task.eos).train_steps[args.center]
+            timed("train step, LoRA merged", lambda: train_step(batch, merged))
     # the train step's cost against the record's length M (rollouts.generate cuts a record after
     # its longest completion, rounded up to 32): the same rows at each M a multiple of 32
     for M in range(32, args.max_tokens + 1, 32):
         cut = {k: x if k in ("prompt", "pos", "adv") else x[:, :M] for k, x in batch.items()}
         timed(f"train step, M {M}", lambda cut=cut: train_step(cut))
     # and at M 32 with each row's prompt computed on its own, as before a group shared it
-    alone = train.build(argparse.Namespace(**vars(args) | dict(group=1)), task.cfg, task.eos)
-    alone = alone.train_steps[args.center]  # built as train.py builds it, at group 1
+    alone = a_row.train_steps[args.center]  # built as train.py builds it, at group 1
     cut = {k: x if k in ("prompt", "pos", "adv") else x[:, :32] for k, x in batch.items()}
     timed("train step, M 32, a prompt a row", lambda: train_step(cut, alone))
     test = [p for p, _ in task.test]
