@@ -95,7 +95,7 @@ def verdict(runs, score="accuracy"):  # runs: [{"uncentered": summary, "centered
     gap, below = round(du - dc, 6), round(fu - fc, 6)
     if abs(gap) < 3:
         return "verdict: centring FAILED (the drops differ by < 3 points: seed noise): " + facts
-    failed = [f"the centred drop is over 2 points ({dc:.1f})"] * (round(dc, 6) > 2)
+    failed = [f"the centred drop is over 2 points ({dc:.2f})"] * (round(dc, 6) > 2)
     failed += ["the centred drop is the larger"] * (gap < 0)
     failed += [f"the final {score} is {below:.1f} points below, over 1.5"] * (below > 1.5)
     if not failed:

@@ -51,21 +51,21 @@ def test_a_folder_without_a_compare_is_refused_in_one_line(tmp_path):
 
 
 def test_growth_and_drift_ratio_from_made_up_runs(tmp_path, capsys):
-    """Two seeds of 21 rows: the mismatch (kl_q_p, |log p - log q|) grew in a seed when its mean
-    over the last 10 updates exceeds the first 10's; the drift ratio is the geometric mean of the
-    seeds' final drift uncentred / centred (2 and 4 here: sqrt 8)."""
-    (tmp_path / "run.json").write_text(
-        json.dumps(dict(task="arithmetic", model="m", sampler="fp8", kv_quant=None))
-    )
-    rising = dict(uncentered=[(True, True), (False, True)], centered=[(False, False)] * 2)
+    """Two seeds of 21 updates: the mismatch (kl_q_p, |log p - log q|) grew in a seed when its mean
+    over the last 10 updates exceeds the first 10's; the series are made so that windows of 5 or 1
+    answer otherwise. The drift ratio is the geometric mean of the seeds' final drift uncentred /
+    centred (2 and 4 here: sqrt 8)."""
+    run = dict(task="arithmetic", model="m", sampler="fp8", kv_quant=None)
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    up = [1.0] * 5 + [0.0] * 5 + [0.5] + [1.0] * 5 + [0.8] * 5  # 10s: 0.5 -> 0.9; 5s: 1.0 -> 0.8
+    down = [0.0] * 5 + [1.0] * 5 + [0.5] + [0.0] * 5 + [0.2] * 5  # 10s: 0.5 -> 0.1; 5s: 0 -> 0.2
+    rising = dict(uncentered=[(up, up), (down, up)], centered=[(down, down)] * 2)
     drift = dict(uncentered=[2.0, 8.0], centered=[1.0, 2.0])
     for arm, seeds in rising.items():
-        for seed, (kl_up, gap_up) in enumerate(seeds):
+        for seed, (kl, gap) in enumerate(seeds):
             rows = []
             for step in range(21):
-                up = step / 20
-                row = dict(step=step, loss=0.0, kl_q_p=up if kl_up else 1 - up)
-                row["logprob_gap"] = 0.1 + (up if gap_up else -up / 20)
+                row = dict(step=step, loss=0.0, kl_q_p=kl[step], logprob_gap=gap[step])
                 if step % 10 == 0:
                     row |= dict(acc=0.5, drift=drift[arm][seed] * step / 20)
                 rows.append(json.dumps(row) + "\n")

@@ -444,11 +444,15 @@ OVER_2, LARGER = "the centred drop is over 2 points", "the centred drop is the l
     "drops, finals, expected",
     [
         (([0.10, 0.08], [0.01, 0.00]), ([0.40, 0.42], [0.41, 0.42]), "VALIDATED"),
-        (([0.10, 0.08], [0.05, 0.03]), ([0.40, 0.42], [0.41, 0.42]), f"NOT validated ({OVER_2}"),
+        (
+            ([0.10, 0.08], [0.05, 0.03]),
+            ([0.40, 0.42], [0.41, 0.42]),
+            f"NOT validated ({OVER_2} (4.00)):",
+        ),
         (
             ([0.10, 0.08], [0.01, 0.00]),
             ([0.40, 0.42], [0.38, 0.40]),
-            "NOT validated (the final accuracy is 2.0 points below, over 1.5)",
+            "NOT validated (the final accuracy is 2.0 points below, over 1.5):",
         ),
         (([0.03, 0.02], [0.01, 0.01]), ([0.40, 0.42], [0.41, 0.42]), "FAILED"),  # 1.5 apart
         # the bounds from accuracies of k/400, as the runs compute them: on every bound at once (a
@@ -458,7 +462,7 @@ OVER_2, LARGER = "the centred drop is over 2 points", "the centred drop is the l
         (
             ([0.85 - 0.7975] * 2, [0.80 - 0.7775] * 2),
             ([0.7775] * 2,) * 2,
-            f"NOT validated ({OVER_2}",
+            f"NOT validated ({OVER_2} (2.25)):",
         ),
         (
             ([0.85 - 0.8025] * 2, [0.80 - 0.78] * 2),
@@ -468,7 +472,7 @@ OVER_2, LARGER = "the centred drop is over 2 points", "the centred drop is the l
         (
             ([0.85 - 0.80] * 2, [0.80 - 0.78] * 2),
             ([0.795] * 2, [0.7775] * 2),
-            "NOT validated (the final accuracy is 1.8 points below, over 1.5)",
+            "NOT validated (the final accuracy is 1.8 points below, over 1.5):",
         ),
     ],
 )
@@ -486,11 +490,11 @@ def test_verdict(drops, finals, expected):
 @pytest.mark.parametrize(
     "drop_u, drop_c, expected",
     [
-        ((0.01, 0.01), (0.04, 0.04), f"NOT validated ({OVER_2} (4.0); {LARGER})"),  # 3 worse
-        ((0.00, 0.02), (0.02, 0.06), f"NOT validated ({OVER_2} (4.0); {LARGER})"),  # the means
-        ((0.01, 0.01), (0.30, 0.30), f"NOT validated ({OVER_2} (30.0); {LARGER})"),  # 29 worse
+        ((0.01, 0.01), (0.04, 0.04), f"NOT validated ({OVER_2} (4.00); {LARGER}):"),  # 3 worse
+        ((0.00, 0.02), (0.02, 0.06), f"NOT validated ({OVER_2} (4.00); {LARGER}):"),  # the means
+        ((0.01, 0.01), (0.30, 0.30), f"NOT validated ({OVER_2} (30.00); {LARGER}):"),  # 29 worse
         ((0.01, 0.01), (0.039, 0.039), "FAILED"),  # 2.9 points worse
-        ((0.08, 0.08), (0.05, 0.05), f"NOT validated ({OVER_2} (5.0))"),  # 3 better, drop 5 > 2
+        ((0.08, 0.08), (0.05, 0.05), f"NOT validated ({OVER_2} (5.00)):"),  # 3 better, drop 5 > 2
         ((0.08, 0.08), (0.051, 0.051), "FAILED"),  # 2.9 better
     ],
 )
