@@ -54,7 +54,7 @@ def recurrent_delta_rule(q, k, v, g, beta, M, state_dtype):
 def unit_lower_solve(A, x):
     """(I + A)^-1 x, A strictly lower triangular [..., t, s]: forward substitution, a row a step
     (LAPACK's triangular solve's backward pass hangs XLA's CPU runtime on several devices). Its
-    backward pass is the transposed solve: autodiff through the loop would store x once a row."""
+    backward pass is the transposed solve: autodiff through the loop would keep x once per row."""
 
     def row(i, x):  # x_i <- x_i - Σ_s<i A[i, s] x_s, the rows before i already solved
         return x.at[..., i, :].add(-jnp.einsum("...s,...sy->...y", A[..., i, :], x))
@@ -89,10 +89,10 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
 
     q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
     # step 1 (docs): exp(gam) decays from the chunk's start to t, decay[t, s] from s to t (≤ 1, as
-    # g ≤ 0); the cap at 0 acts above the diagonal alone, where exp could be inf: NaN gradients
+    # g ≤ 0); the cap at 0 bites only above the diagonal, where exp's inf would NaN the gradients
     gam = jnp.cumsum(g, axis=-1)  # [n, B, U, size]
     decay = jnp.tril(jnp.exp(jnp.minimum(gam[..., :, None] - gam[..., None, :], 0)))
-    # step 2: a write u_t = beta_t (v_t - (e^g_t M_t-1)^T k_t) reads the chunk's earlier writes:
+    # step 2: a write u_t = beta_t (v_t - (e^g_t M_{t-1})^T k_t) reads the chunk's earlier writes:
     # (I + A) u = beta (v - exp(gam) M^T k), M the chunk's start, A[t, s] = beta_t decay k_t·k_s
     A = jnp.tril(jnp.einsum("nbute,nbuse->nbuts", k, k) * decay, -1) * beta[..., None]
     u_0 = unit_lower_solve(A, v * beta[..., None])  # the writes if M = 0
@@ -126,7 +126,7 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype):
     a = mm("btd,du->btu", h, lw["a"]).astype(F32) + lw["dt_bias"][None, None]
     g = jnp.where(real, -jnp.exp(lw["A_log"].astype(F32))[None, None] * jax.nn.softplus(a), 0)
 
-    # causal conv, depthwise (tap width - 1: the token itself), SiLU; q, k L2-normed in float32
+    # causal conv, depthwise (its last tap: the token itself), SiLU; q, k L2-normed in float32
     width = lw["conv"].shape[0]
     window = jnp.zeros((B, width - 1, qkv.shape[-1])) if kv is None else kv["conv"][i]
     window = jnp.concatenate([window.astype(h.dtype), qkv], axis=1)  # [B, width - 1 + T, C]
@@ -188,7 +188,7 @@ def forward(
     cache's conv inputs and state. state_dtype: the state's precision. mm(spec, activation, w)."""
     eps, H = cfg["rms_norm_eps"], cfg["head_dim"]
     base = cfg["rope_parameters"]["rope_theta"]
-    rotary = int(H * cfg["rope_parameters"]["partial_rotary_factor"])  # mrope: = RoPE on text
+    rotary = int(H * cfg["rope_parameters"]["partial_rotary_factor"])  # mRoPE is plain RoPE on text
     kpos = pos if kv is None else jax.lax.dynamic_update_slice(kv["pos"], pos, (0, start))
     mask = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= pos[:, :, None])  # [B, T, S]
     x = w["embed"][tokens].astype(dtype)  # [B, T, D]
