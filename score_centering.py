@@ -105,7 +105,7 @@ def topr():  # TOPR: rows with A > 0 weigh 1, with A ≤ 0 their product of rati
 
 
 def log_mass(corr, logq, logp, positive):
-    """Step 9's mass m(q, p) = q f(p/q) in logs, f at the advantage's sign; f(r) = m(1, r)."""
+    """Step 9's m(q, p) = q f(p/q) in logs (f at A's sign); gives m, f(r) = m(1, r), α = m(ρ, 1)."""
     lo = jnp.log(jnp.where(positive, corr.positive[0], corr.negative[0]))  # the band, in logs
     hi = jnp.log(jnp.where(positive, corr.positive[1], corr.negative[1]))
     if corr.clamp:  # log r clamped into [lo, hi]: log p into log q + [lo, hi] (hi = inf: no top)

@@ -9,7 +9,7 @@ What it is: REINFORCE with a group-mean baseline, whose rollouts come from a cop
 runs with other numerics (bf16 / int8 / fp8 weights, int8 / int4 / fp8 KV cache, fixed weight noise,
 staleness), trained with `score_centering.loss`. How it differs from textbook GRPO, and why:
 - no KL penalty to a reference model: it would pull toward the start and hide the drift under study;
-- no PPO ratio clipping: one optimizer step per batch, so the only off-policyness is the sampler's;
+- no PPO clipping unless --correction asks: one step a batch, so only the sampler is off-policy;
 - a token mean over the whole batch, not a mean of per-sequence means (score_centering.py, step 8);
 - advantages are rewards minus the group mean, not divided by the group's std (the paper's recipe);
 - plain SGD at a constant learning rate on float32 master weights (the paper's; Adam: --optimizer).
