@@ -30,6 +30,7 @@ def numbers(rows, last=None):  # a run's summary as lab.harness writes it, up to
     final = max(acc)
     kl = [r["kl_q_p"] for r in rows if "loss" in r]
     gap = [r["logprob_gap"] for r in rows if "loss" in r]  # |log p − log q|: never below 0
+    n = min(10, len(kl))
     return dict(
         eval_acc=acc,
         drift={r["step"]: r["drift"] for r in rows if "drift" in r},
@@ -40,6 +41,7 @@ def numbers(rows, last=None):  # a run's summary as lab.harness writes it, up to
         mean_kl_q_p=float(np.mean(kl)),
         kl_first=float(np.mean(kl[:10])),  # the mismatch over the first and the last 10 updates
         kl_last=float(np.mean(kl[-10:])),
+        kl_peak=float(np.convolve(kl, np.ones(n) / n, "valid").max()),  # over any 10 in a row
         gap_first=float(np.mean(gap[:10])),
         gap_last=float(np.mean(gap[-10:])),
         step=final,
@@ -59,7 +61,7 @@ def report(folder, plot=None):  # prints the tables and the verdict; returns the
     res = {s: {arm: numbers(a[arm], last) for arm in ARMS} for s, a in runs.items()}
 
     columns = dict(peak_acc="{:.3f}", final_acc="{:.3f}", drop="{:.3f}", final_drift="{:.2e}")
-    columns |= dict(mean_kl_q_p="{:+.2e}", kl_first="{:+.2e}", kl_last="{:+.2e}")
+    columns |= dict(mean_kl_q_p="{:+.2e}", kl_first="{:+.2e}", kl_last="{:+.2e}", kl_peak="{:+.2e}")
     columns |= dict(gap_first="{:.2e}", gap_last="{:.2e}")
     rows = {f"{arm}_seed{s}": r[arm] for s, r in res.items() for arm in ARMS}
     print(f"{folder}: {len(res)} seeds, step {last}")

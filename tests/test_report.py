@@ -53,8 +53,9 @@ def test_a_folder_without_a_compare_is_refused_in_one_line(tmp_path):
 def test_growth_and_drift_ratio_from_made_up_runs(tmp_path, capsys):
     """Two seeds of 21 updates: the mismatch (kl_q_p, |log p - log q|) grew in a seed when its mean
     over the last 10 updates exceeds the first 10's; the series are made so that windows of 5 or 1
-    answer otherwise. The drift ratio is the geometric mean of the seeds' final drift uncentred /
-    centred (2 and 4 here: sqrt 8)."""
+    answer otherwise; kl_q_p's peak, the largest mean over 10 updates in a row, is 0.55 for `down`
+    (updates 1 to 10, 2 to 11, ...: above both ends), 0.9 for `up` (its last 10). The drift ratio
+    is the geometric mean of the seeds' final drift uncentred / centred (2 and 4 here: sqrt 8)."""
     run = dict(task="arithmetic", model="m", sampler="fp8", kv_quant=None)
     (tmp_path / "run.json").write_text(json.dumps(run))
     up = [1.0] * 5 + [0.0] * 5 + [0.5] + [1.0] * 5 + [0.8] * 5  # 10s: 0.5 -> 0.9; 5s: 1.0 -> 0.8
@@ -76,5 +77,7 @@ def test_growth_and_drift_ratio_from_made_up_runs(tmp_path, capsys):
         "uncentered: over the run kl_q_p grew in 1 of 2 seeds, |log p - log q| in 2; "
         "centered: over the run kl_q_p grew in 0 of 2 seeds, |log p - log q| in 0"
     )
+    peaks = {arm: [found["runs"][s][arm]["kl_peak"] for s in (0, 1)] for arm in rising}
+    assert peaks == dict(uncentered=pytest.approx([0.9, 0.55]), centered=pytest.approx([0.55] * 2))
     assert found["ratio"][0] == pytest.approx(math.sqrt(8), rel=1e-9)
     assert "final drift uncentred / centred: 2.83 [" in capsys.readouterr().out
