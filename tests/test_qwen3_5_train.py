@@ -1,8 +1,8 @@
 """train.py on Qwen3.5: a GRPO run of a tiny checkpoint with LoRA on every projection of both kinds
 of layer, saved where transformers reads it; the sampler's log q against the trainer's log p with a
 float32 DeltaNet state, and the mismatch a bf16 or fp16 state makes; the group prefill; W8A8 on
-every matmul weight; the chat turn's end as eos; --plan from a config.json alone; seed 003's
-command on Qwen3.5-0.8B's config.
+every matmul weight; the chat turn's end as eos; --plan from a config.json alone; the LoRA
+experiment's command on Qwen3.5-0.8B's config.
 B batch rows, T0 prompt length, M completion length, V vocab, k the sampler's top-k head size."""
 
 import inspect
