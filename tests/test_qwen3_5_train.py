@@ -216,8 +216,8 @@ def test_plan_sizes_a_qwen3_5_from_its_config_json_alone(tmp_path, monkeypatch, 
     assert rows["kv cache"] == kv
 
 
-def test_seed_003s_command_is_accepted_on_qwen3_5_0_8b(tmp_path):
-    """The recipe's command on Qwen3.5-0.8B's config.json passes every flag and config check."""
+def test_the_lora_recipes_command_is_accepted_on_qwen3_5_0_8b(tmp_path):
+    """The LoRA recipe's command on Qwen3.5-0.8B's config.json passes each flag and config check."""
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_5_0_8B))
     argv = f"--model {tmp_path} --lora 32 --optimizer adamw --lr 1e-4 --prompts 32 --group 8"
     args = harness.parse_args(argv.split() + "--max-tokens 512 --compare".split())
