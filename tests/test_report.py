@@ -1,5 +1,6 @@
 """lab.report: a --compare's numbers recomputed from its runs' metrics.jsonl equal what each run
-wrote in its summary.json (kept in memory as it ran: another path); its intervals are Student's."""
+wrote in its summary.json (kept in memory as it ran: another path); its intervals are Student's;
+the SmolLM2 tables and verdict in docs/real_model.md are its reading of the committed files."""
 
 import importlib.util
 import json
@@ -81,3 +82,38 @@ def test_growth_and_drift_ratio_from_made_up_runs(tmp_path, capsys):
     assert peaks == dict(uncentered=pytest.approx([0.9, 0.55]), centered=pytest.approx([0.55] * 2))
     assert found["ratio"][0] == pytest.approx(math.sqrt(8), rel=1e-9)
     assert "final drift uncentred / centred: 2.83 [" in capsys.readouterr().out
+
+
+def test_the_smollm2_table_and_verdict_in_the_docs_recompute_from_the_committed_files(capsys):
+    """docs/real_model.md's 100-step tables, row by row, and its quoted verdict are what lab.report
+    reads from docs/results/smollm2-arith-fp8 (each run's committed metrics.jsonl), to the digits
+    printed; and each arm's summary.json, written as it ran, agrees with its metrics.jsonl."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    folder = os.path.join(root, "docs", "results", "smollm2-arith-fp8")
+    found = report.report(folder)
+    capsys.readouterr()
+    doc = open(os.path.join(root, "docs", "real_model.md")).read()
+    section = doc[doc.index("## Trained for 100 steps") : doc.index("## The cost of a GRPO step")]
+    names = dict(uncentered="uncentred", centered="centred")
+    for seed, arms in found["runs"].items():
+        for arm, r in arms.items():
+            kl = " / ".join(f"{r[k]:.3f}" for k in ("kl_first", "kl_peak", "kl_last"))
+            cells = [f"{seed}, {names[arm]}", *(f"{r[k]:.4f}" for k in ("peak_acc", "final_acc"))]
+            cells += [f"{r['drop']:.4f}", f"{r['final_drift']:.2f}", kl]
+            cells.append(f"{r['gap_first']:.2g} / {r['gap_last']:.2g}")
+            assert "| " + " | ".join(cells) + " |" in section, (seed, arm)
+            wrote = json.load(open(os.path.join(folder, f"{arm}_seed{seed}", "summary.json")))
+            for k in ("peak_acc", "final_acc", "drop", "final_drift", "mean_kl_q_p"):
+                assert r[k] == pytest.approx(wrote[k], rel=1e-9, abs=1e-12), (seed, arm, k)
+    assert len(found["runs"]) == 3
+    labels = dict(peak_acc="peak", final_acc="final", drop="drop", final_drift="final drift")
+    for k, label in labels.items():  # the means over the seeds, each with its 95% interval
+        f = "{:.2f}" if k == "final_drift" else "{:.3f}"
+        spans = " | ".join(
+            f"{f.format(m)} [{f.format(lo)}, {f.format(hi)}]" for m, lo, hi in found["intervals"][k]
+        )
+        assert f"| {label} | {spans} |".replace("-", "−") in section, k
+    word, numbers = found["verdict"].split(" (")[0][9:], found["verdict"].split("): ")[-1]
+    assert f"**The verdict: {word}**" in section  # "verdict: " cut
+    assert numbers in " ".join(section.split())  # the quote, across the lines it wraps over
+    assert f"{found['ratio'][0]:.2f} [{found['ratio'][1]:.2f}, {found['ratio'][2]:.2f}]" in section
