@@ -148,7 +148,8 @@ def plot(file, panels):  # panels: [(title, y label, {label: (x, y, matplotlib s
         for label, (x, y, style) in curves.items():
             ax.plot(x, y, style, label=label, lw=0.8 if style.endswith(":") else 1.5)
         ax.set(xlabel="step", ylabel=ylabel, title=title)
-        ax.legend(fontsize=7, frameon=False)
+    # the panels share their curves' labels: one legend, right of the last panel, over no curve
+    axes[-1].legend(fontsize=7, frameon=False, loc="center left", bbox_to_anchor=(1, 0.5))
     os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
     with harness.LOCK:
         fig.savefig(file)
