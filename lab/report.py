@@ -40,8 +40,8 @@ def numbers(rows, last=None):  # a run's summary as lab.harness writes it, up to
         final_drift=[r["drift"] for r in rows if r["step"] == final][0],
         mean_kl_q_p=float(np.mean(kl)),
         kl_first=float(np.mean(kl[:10])),  # the mismatch over the first and the last 10 updates
-        kl_last=float(np.mean(kl[-10:])),
-        kl_peak=float(np.convolve(kl, np.ones(n) / n, "valid").max()),  # over any 10 in a row
+        kl_last=float(np.mean(kl[-10:])),  # and the largest mean over any 10 in a row:
+        kl_peak=float(np.convolve(kl, np.ones(n) / n, "valid").max()) if kl else np.nan,
         gap_first=float(np.mean(gap[:10])),
         gap_last=float(np.mean(gap[-10:])),
         step=final,
