@@ -24,13 +24,17 @@ def read(folder):  # {seed: {arm: [the run's rows]}} for the seeds whose both ar
     return {seed: arms for seed, arms in sorted(runs.items()) if set(arms) == set(ARMS)}
 
 
+def windows(y, n=10):  # the means of n values in a row (one mean of all of them if fewer)
+    n = min(n, len(y))
+    return np.convolve(y, np.ones(n) / n, "valid")
+
+
 def numbers(rows, last=None):  # a run's summary as lab.harness writes it, up to step `last`
     rows = [r for r in rows if last is None or r["step"] <= last]
     acc = {r["step"]: r["acc"] for r in rows if "acc" in r}
     final = max(acc)
     kl = [r["kl_q_p"] for r in rows if "loss" in r]
     gap = [r["logprob_gap"] for r in rows if "loss" in r]  # |log p − log q|: never below 0
-    n = min(10, len(kl))
     return dict(
         eval_acc=acc,
         drift={r["step"]: r["drift"] for r in rows if "drift" in r},
@@ -41,7 +45,7 @@ def numbers(rows, last=None):  # a run's summary as lab.harness writes it, up to
         mean_kl_q_p=float(np.mean(kl)),
         kl_first=float(np.mean(kl[:10])),  # the mismatch over the first and the last 10 updates
         kl_last=float(np.mean(kl[-10:])),  # and the largest mean over any 10 in a row:
-        kl_peak=float(np.convolve(kl, np.ones(n) / n, "valid").max()) if kl else np.nan,
+        kl_peak=float(windows(kl).max()) if kl else np.nan,
         gap_first=float(np.mean(gap[:10])),
         gap_last=float(np.mean(gap[-10:])),
         step=final,
@@ -116,8 +120,8 @@ def curves(file, runs, last, title):
                 xy = [(r["step"], r[key]) for r in arms[arm] if key in r and r["step"] <= last]
                 x, y = zip(*xy, strict=True)
                 if key == "kl_q_p":  # a step's estimate from 64 rollouts is noisy: 10 at a time
-                    n = min(10, len(y))
-                    x, y = x[n - 1 :], np.convolve(y, np.ones(n) / n, "valid")
+                    y = windows(y)
+                    x = x[len(x) - len(y) :]
                 label = f"{'un' * (arm == 'uncentered')}centred, seed {seed}"
                 lines[label] = (x, y, colour + ("" if key == "kl_q_p" else ".") + dashes[i % 4])
         out.append(("" if out else title, name, lines))  # the run named once, over the first

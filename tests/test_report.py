@@ -95,6 +95,8 @@ def test_the_smollm2_table_and_verdict_in_the_docs_recompute_from_the_committed_
     capsys.readouterr()
     doc = open(os.path.join(root, "docs", "real_model.md")).read()
     section = doc[doc.index("## Trained for 100 steps") : doc.index("## The cost of a GRPO step")]
+
+    # each seed's row, and its summary.json
     names = dict(uncentered="uncentred", centered="centred")
     for seed, arms in found["runs"].items():
         for arm, r in arms.items():
@@ -107,6 +109,8 @@ def test_the_smollm2_table_and_verdict_in_the_docs_recompute_from_the_committed_
             for k in ("peak_acc", "final_acc", "drop", "final_drift", "mean_kl_q_p"):
                 assert r[k] == pytest.approx(wrote[k], rel=1e-9, abs=1e-12), (seed, arm, k)
     assert len(found["runs"]) == 3
+
+    # the means over the seeds
     labels = dict(peak_acc="peak", final_acc="final", drop="drop", final_drift="final drift")
     for k, label in labels.items():  # the means over the seeds, each with its 95% interval
         f = "{:.2f}" if k == "final_drift" else "{:.3f}"
@@ -114,6 +118,8 @@ def test_the_smollm2_table_and_verdict_in_the_docs_recompute_from_the_committed_
             f"{f.format(m)} [{f.format(lo)}, {f.format(hi)}]" for m, lo, hi in found["intervals"][k]
         )
         assert f"| {label} | {spans} |".replace("-", "−") in section, k
+
+    # the verdict and the drift ratio
     verdict = found["verdict"]  # "verdict: centring WORD[ (why)]: drop ..."
     word = re.match(r"verdict: (centring [A-Z]+(?: validated)?)", verdict).group(1)
     assert f"**The verdict: {word}**" in section
