@@ -85,22 +85,14 @@ def test_growth_and_drift_ratio_from_made_up_runs(tmp_path, capsys):
     assert "final drift uncentred / centred: 2.83 [" in capsys.readouterr().out
 
 
-def test_the_smollm2_table_and_verdict_in_the_docs_recompute_from_the_committed_files(capsys):
-    """docs/real_model.md's 100-step tables, row by row, and its quoted verdict are what lab.report
-    reads from docs/results/smollm2-arith-fp8 (each run's committed metrics.jsonl), to the digits
-    printed; and each arm's summary.json, written as it ran, agrees with its metrics.jsonl."""
-    root = os.path.join(os.path.dirname(__file__), "..")
-    folder = os.path.join(root, "docs", "results", "smollm2-arith-fp8")
+def rows_and_verdict(folder, section, kl_format):
+    """Asserts that each seed's row, the verdict and the drift ratio lab.report reads from folder
+    are in section, and that each arm's summary.json agrees with its metrics.jsonl; returns them."""
     found = report.report(folder)
-    capsys.readouterr()
-    doc = open(os.path.join(root, "docs", "real_model.md")).read()
-    section = doc[doc.index("## Trained for 100 steps") : doc.index("## The cost of a GRPO step")]
-
-    # each seed's row, and its summary.json
     names = dict(uncentered="uncentred", centered="centred")
     for seed, arms in found["runs"].items():
         for arm, r in arms.items():
-            kl = " / ".join(f"{r[k]:.3f}" for k in ("kl_first", "kl_peak", "kl_last"))
+            kl = " / ".join(kl_format.format(r[k]) for k in ("kl_first", "kl_peak", "kl_last"))
             cells = [f"{seed}, {names[arm]}", *(f"{r[k]:.4f}" for k in ("peak_acc", "final_acc"))]
             cells += [f"{r['drop']:.4f}", f"{r['final_drift']:.2f}", kl]
             cells.append(f"{r['gap_first']:.2g} / {r['gap_last']:.2g}")
@@ -108,20 +100,35 @@ def test_the_smollm2_table_and_verdict_in_the_docs_recompute_from_the_committed_
             wrote = json.load(open(os.path.join(folder, f"{arm}_seed{seed}", "summary.json")))
             for k in ("peak_acc", "final_acc", "drop", "final_drift", "mean_kl_q_p"):
                 assert r[k] == pytest.approx(wrote[k], rel=1e-9, abs=1e-12), (seed, arm, k)
-    assert len(found["runs"]) == 3
+    verdict = found["verdict"]  # "verdict: centring WORD[ (why)]: drop ..."
+    word = re.match(r"verdict: (centring [A-Z]+(?: validated)?)", verdict).group(1)
+    assert f"**The verdict: {word}**" in section
+    assert verdict[verdict.index("drop ") :] in " ".join(section.split())  # wrapped over lines
+    r = found["ratio"]  # the drift ratio uncentred / centred; one seed's has no interval
+    one = len(found["runs"]) == 1
+    assert (f"{r[0]:.2f} (one seed)" if one else f"{r[0]:.2f} [{r[1]:.2f}, {r[2]:.2f}]") in section
+    return found
 
-    # the means over the seeds
+
+def test_the_smollm2_tables_and_verdicts_in_the_docs_recompute_from_the_committed_files(capsys):
+    """docs/real_model.md's 100-step tables, row by row, and its quoted verdicts are what
+    lab.report reads from docs/results/smollm2-arith-fp8 and -bf16 (each run's committed
+    metrics.jsonl), to the digits printed; and each arm's summary.json agrees with its metrics."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    results = os.path.join(root, "docs", "results")
+    doc = open(os.path.join(root, "docs", "real_model.md")).read()
+    fp8 = doc[doc.index("## Trained for 100 steps") : doc.index("### The bf16 control")]
+    bf16 = doc[doc.index("### The bf16 control") : doc.index("## The cost of a GRPO step")]
+
+    found = rows_and_verdict(os.path.join(results, "smollm2-arith-fp8"), fp8, "{:.3f}")
+    assert len(found["runs"]) == 3
     labels = dict(peak_acc="peak", final_acc="final", drop="drop", final_drift="final drift")
     for k, label in labels.items():  # the means over the seeds, each with its 95% interval
         f = "{:.2f}" if k == "final_drift" else "{:.3f}"
         spans = " | ".join(
             f"{f.format(m)} [{f.format(lo)}, {f.format(hi)}]" for m, lo, hi in found["intervals"][k]
         )
-        assert f"| {label} | {spans} |".replace("-", "−") in section, k
-
-    # the verdict and the drift ratio
-    verdict = found["verdict"]  # "verdict: centring WORD[ (why)]: drop ..."
-    word = re.match(r"verdict: (centring [A-Z]+(?: validated)?)", verdict).group(1)
-    assert f"**The verdict: {word}**" in section
-    assert verdict[verdict.index("drop ") :] in " ".join(section.split())  # wrapped over lines
-    assert f"{found['ratio'][0]:.2f} [{found['ratio'][1]:.2f}, {found['ratio'][2]:.2f}]" in section
+        assert f"| {label} | {spans} |".replace("-", "−") in fp8, k
+    found = rows_and_verdict(os.path.join(results, "smollm2-arith-bf16"), bf16, "{:.2g}")
+    assert list(found["runs"]) == [0] and found["step"] == 100
+    capsys.readouterr()
