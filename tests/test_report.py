@@ -106,7 +106,7 @@ def rows_and_verdict(folder, section, kl_format):
     assert verdict[verdict.index("drop ") :] in " ".join(section.split())  # wrapped over lines
     r = found["ratio"]  # the drift ratio uncentred / centred; one seed's has no interval
     one = len(found["runs"]) == 1
-    assert (f"{r[0]:.2f} (one seed)" if one else f"{r[0]:.2f} [{r[1]:.2f}, {r[2]:.2f}]") in section
+    assert (f"{r[0]:.2f} (one seed" if one else f"{r[0]:.2f} [{r[1]:.2f}, {r[2]:.2f}]") in section
     return found
 
 
