@@ -137,14 +137,13 @@ def loss(
     Returns (loss, metrics). Ids outside [0, V) raise ValueError on concrete inputs, NaN under jit.
     """
     # inputs
-    logits, tokens, mask = jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(mask)
+    logits, tokens, mask = jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(mask, bool)
     advantages, sampler_logprobs = jnp.asarray(advantages), jnp.asarray(sampler_logprobs)
     head_ids = None if head_ids is None else jnp.asarray(head_ids)  # optional
     head_logprobs = None if head_logprobs is None else jnp.asarray(head_logprobs)
     _check_arrays(logits, tokens, mask, advantages, sampler_logprobs, head_ids, head_logprobs)
     _check_options(center, correction, head_logprobs)
     sg = jax.lax.stop_gradient
-    mask = mask.astype(bool)
     n_tokens = jnp.maximum(mask.sum(), 1).astype(jnp.float32)  # trained tokens
 
     def trained(x):  # float inputs at masked tokens may be garbage (NaN, inf): zeroed first
@@ -191,6 +190,7 @@ def loss(
     sg_logp_head = sg(logp_head)
     q_mass, p_mass = jnp.exp(logq_head).sum(-1), jnp.exp(sg_logp_head).sum(-1)  # [B, T]
     rho = jnp.maximum(1 - q_mass, FLOOR) / jnp.maximum(1 - p_mass, FLOOR)  # tail: q̂ = ρ p
+    rho = rho if head_ids is not None else jnp.ones_like(rho)  # exact: no tail (1 − mass: rounding)
 
     # head coefficients c = m − α p (steps 10 and 11)
     m_head = jnp.exp(log_mass(corr, logq_head, sg_logp_head, (A > 0)[..., None]))  # [B, T, k]

@@ -354,6 +354,21 @@ def test_metrics_are_the_documented_quantities():
     )
 
 
+@pytest.mark.parametrize("tis", [None, 1.2])
+def test_exact_centring_size_has_no_tail_when_log_q_sums_to_1_only_roughly(tis):
+    """Exact centring's head is the vocabulary, so there is no tail (ρ = 1, α = m(1, 1)) even
+    when the sampler's log q, rounded to bf16, sums to 1 ± 1e-3: centring_size is Σ|m − p|."""
+    d = _batch(11, V=64)
+    logq = d["logq"].astype(jnp.bfloat16)
+    q, p = np.exp(np.asarray(logq, np.float64)), np.exp(np.asarray(jax.nn.log_softmax(d["z"])))
+    assert np.abs(1 - q.sum(-1)).max() > 1e-4  # the tails' masses are rounding, far above FLOOR
+    corr = None if tis is None else sc.tis(tis)
+    _, m = sc.loss(d["z"], d["y"], d["mask"], d["A"], d["logq_y"], logq, correction=corr)
+    c = (q if tis is None else np.minimum(p, tis * q)) - p  # m − α p, α = m(1, 1) = 1
+    want = np.abs(c).sum(-1)[np.asarray(d["mask"])].mean()
+    np.testing.assert_allclose(m["centring_size"], want, rtol=1e-4, atol=1e-6)
+
+
 def _good(B=2, T=3, V=5, k=2):
     return dict(
         logits=jnp.zeros((B, T, V)),
