@@ -33,16 +33,14 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 # 8. As a loss per trained token, with sg = stop-gradient (q is data, never differentiated):
 #    ℓ_t = −sg(A) · [log p(y_t) − Σ_v sg(q(v)) · log p(v)].
 #    The batch loss is the mean over trained tokens, each weighted the same at any sequence length.
-# 9. Importance weights and clipping. A detached weight f of each token's ratio r = p/q multiplies
-#    its score; under y ~ q a token v then enters with the mass m_v = q(v) f(r_v), not q(v), so
+# 9. Importance weights. A detached weight f(r) of each token's ratio r = p/q multiplies its
+#    score; under y ~ q a token v then enters with the mass m_v = q(v) f(r_v), not q(v), so
 #    centring subtracts Σ_v m_v s_v: ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_v sg(m_v) log p(v)].
-#    A `Correction` is a band for each sign of A: f(r) = r inside; outside, r clamped in or f = 0.
-#    TIS: f(r) = min(r, C), m = min(p, C q). MIS (IcePop): [lo, hi], 0 outside: m = p or 0 (on
-#    [0, ∞): full IS, m = p, drift-free but noisy). CISPO: r clamped into [1 − ε_low, 1 + ε_high].
-#    PPO, q the old policy (DAPO: ε_high > ε_low): [0, 1 + ε_high] for A > 0, [1 − ε_low, ∞] (or a
-#    dual clip) for A ≤ 0, 0 outside; the sampled token's sign of A picks one band for every v,
-#    m_v = q(v) f(r_v, sign A): a constant A of either sign has no expected update. A row's weight
-#    w (GSPO: PPO's band on its r's geometric mean; TOPR: 1 if A > 0, else min(Π r, 1)): A → w A.
+#    By hand, TIS (f(r) = min(r, C)) at C = 1.5 on the case above: r = p/q = (.83, 1, 2), so
+#    f = (.83, 1, 1.5) and m = q f = (.5, .3, .15) = min(p, C q). Every weight here (`Correction`,
+#    the constructors below) is a band (lo, hi) for each sign of A: f(r) = r inside; outside, r
+#    clamped into it or f = 0. A's sign picks one band for every v, so a constant A of either sign
+#    still has no expected update. GSPO and TOPR weigh a whole row instead: A becomes w A.
 # 10. Top-k. q over a 151k vocabulary at every token is too big to keep: the sampler records its
 #     head, its k most likely ids and their log q. Off the head, model q as the trainer's p
 #     scaled to the mass that q leaves there (FLOOR bounds both masses from below):
@@ -197,9 +195,15 @@ def loss(
     alpha = jnp.exp(log_mass(corr, jnp.log(rho), 0.0, A > 0))  # [B, T] the tail's α = m(ρ, 1)
     c_head = m_head - alpha[..., None] * jnp.exp(sg_logp_head)  # [B, T, k]
     metrics["head_mass_q"], metrics["head_mass_p"] = token_mean(q_mass), token_mean(p_mass)
-    metrics["centring_size"] = token_mean(jnp.abs(c_head).sum(-1))
+    metrics["tail_ratio_log"] = token_mean(jnp.log(rho))  # 0 where q̂ = p off the head
+    metrics["tail_ratio_max"] = jnp.where(mask, rho, 0.0).max()
+    metrics["tail_ratio_over_2"] = token_mean(rho > 2)  # tails IcePop's [0.5, 5] would drop
+    # the drift a unit of A brings (step 4, in logits): m̂ − M p, M = Σ_v m̂_v; its size, Σ_v |·|
+    M = m_head.sum(-1) + alpha * (1 - p_mass)
+    on_head = jnp.abs(m_head - M[..., None] * jnp.exp(sg_logp_head)).sum(-1)
+    metrics["drift_size"] = token_mean(on_head + jnp.abs(alpha - M) * (1 - p_mass))  # + tail
 
-    # centred score: step 11's bracket; c log p = 0 where c = 0, even at p = 0 (a -inf logit)
+    # the line that removes the drift: step 11's bracket (c log p = 0 where c = 0, at p = 0 too)
     if center:
         score = score - jnp.where(c_head == 0, 0.0, c_head * logp_head).sum(-1) + alpha * entropy
     return -token_mean(jnp.where(A == 0, 0.0, A * score)), metrics  # A = 0 (a dropped row): 0
@@ -219,13 +223,9 @@ def _check_arrays(logits, tokens, mask, advantages, sampler_logprobs, head_ids, 
     B, T, V = logits.shape
     for name, x in (("tokens", tokens), ("mask", mask), ("sampler_logprobs", sampler_logprobs)):
         if x.shape != (B, T):
-            raise ValueError(
-                f"{name} must be [B, T] = {(B, T)} like logits {logits.shape}, got {x.shape}"
-            )
+            raise ValueError(f"{name} must be [B, T] = {(B, T)} as logits are, got {x.shape}")
     if advantages.shape not in ((B,), (B, T)):
-        raise ValueError(
-            f"advantages must be [B] = {(B,)} or [B, T] = {(B, T)}, got {advantages.shape}"
-        )
+        raise ValueError(f"advantages must be [B] or [B, T] = {(B, T)}, got {advantages.shape}")
     _check_head(head_ids, head_logprobs, B, T, V)
     _check_ids("tokens", tokens, logits.shape)
     if head_ids is not None:

@@ -122,7 +122,24 @@ def test_the_derivations_worked_case_by_hand():
     )
     value, metrics = sc.loss(*args, **{k: v[None, None] for k, v in top1.items()})
     np.testing.assert_allclose(value, -(np.log(0.3) - q_hat @ np.log(p)), atol=1e-6)
-    np.testing.assert_allclose(metrics["centring_size"], 0.2, atol=1e-6)  # |c_0|
+    np.testing.assert_allclose(metrics["drift_size"], 0.2, atol=1e-6)  # Σ|q̂ − p|
+    np.testing.assert_allclose(metrics["tail_ratio_log"], np.log(0.8), atol=1e-6)  # ρ = .4 / .5
+
+
+def test_tail_ratio_metrics_by_hand():
+    """Two tokens, head {0}: p = (.5, .3, .2), q = (.6, .3, .1) has ρ = .4 / .5 = 0.8; p = (.9, .05,
+    .05), q = (.7, .15, .15) has ρ = .3 / .1 = 3. Mean log ρ, the largest, the share above 2."""
+    p = np.array([[0.5, 0.3, 0.2], [0.9, 0.05, 0.05]])
+    q = np.array([[0.6, 0.3, 0.1], [0.7, 0.15, 0.15]])
+    logq = np.log(q)[None]
+    one = (np.zeros((1, 2), int), np.ones((1, 2), bool), np.ones(1), logq[..., 1])
+    _, m = sc.loss(np.log(p)[None], *one, logq[..., :1], np.zeros((1, 2, 1), int))
+    np.testing.assert_allclose(m["tail_ratio_log"], (np.log(0.8) + np.log(3)) / 2, atol=1e-6)
+    np.testing.assert_allclose(m["tail_ratio_max"], 3, atol=1e-5)
+    np.testing.assert_allclose(m["tail_ratio_over_2"], 0.5, atol=1e-6)
+    q_hat = np.where(np.arange(3) == 0, q, [[0.8], [3]] * p)
+    want = np.abs(q_hat - p).sum(-1).mean()  # the drift term's size, Σ_v |q̂ − p|, a token mean
+    np.testing.assert_allclose(m["drift_size"], want, atol=1e-6)
 
 
 def _batch(seed, B=2, T=5, V=13, k=4):
@@ -347,26 +364,23 @@ def test_metrics_are_the_documented_quantities():
     q_H = np.exp(np.asarray(d["logq_H"], np.float64))
     np.testing.assert_allclose(m["head_mass_q"], q_H.sum(-1)[mask].mean(), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(m["head_mass_p"], p_H.sum(-1)[mask].mean(), rtol=1e-5, atol=1e-7)
-    rho = (1 - q_H.sum(-1, keepdims=True)) / (1 - p_H.sum(-1, keepdims=True))
-    c = np.minimum(p_H, 1.2 * q_H) - np.minimum(1, 1.2 * rho) * p_H  # m - α p, steps 9 and 10
-    np.testing.assert_allclose(
-        m["centring_size"], np.abs(c).sum(-1)[mask].mean(), rtol=1e-4, atol=1e-7
-    )
+    want = _np_drift_size(d, lambda r: np.minimum(r, 1.2))
+    np.testing.assert_allclose(m["drift_size"], want, rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("tis", [None, 1.2])
-def test_exact_centring_size_has_no_tail_when_log_q_sums_to_1_only_roughly(tis):
+def test_exact_drift_size_has_no_tail_when_log_q_sums_to_1_only_roughly(tis):
     """Exact centring's head is the vocabulary, so there is no tail (ρ = 1, α = m(1, 1)) even
-    when the sampler's log q, rounded to bf16, sums to 1 ± 1e-3: centring_size is Σ|m − p|."""
+    when the sampler's log q, rounded to bf16, sums to 1 ± 1e-3: drift_size is Σ|m − (Σ m) p|."""
     d = _batch(11, V=64)
     logq = d["logq"].astype(jnp.bfloat16)
     q, p = np.exp(np.asarray(logq, np.float64)), np.exp(np.asarray(jax.nn.log_softmax(d["z"])))
     assert np.abs(1 - q.sum(-1)).max() > 1e-4  # the tails' masses are rounding, far above FLOOR
     corr = None if tis is None else sc.tis(tis)
     _, m = sc.loss(d["z"], d["y"], d["mask"], d["A"], d["logq_y"], logq, correction=corr)
-    c = (q if tis is None else np.minimum(p, tis * q)) - p  # m − α p, α = m(1, 1) = 1
-    want = np.abs(c).sum(-1)[np.asarray(d["mask"])].mean()
-    np.testing.assert_allclose(m["centring_size"], want, rtol=1e-4, atol=1e-6)
+    mass = q if tis is None else np.minimum(p, tis * q)  # m = q f(p / q)
+    want = np.abs(mass - mass.sum(-1, keepdims=True) * p).sum(-1)[np.asarray(d["mask"])].mean()
+    np.testing.assert_allclose(m["drift_size"], want, rtol=1e-4, atol=1e-6)
 
 
 def _good(B=2, T=3, V=5, k=2):
@@ -474,6 +488,17 @@ def _out(r, band):
     return (r < band[0]) | (r > band[1])
 
 
+def _np_drift_size(d, f):
+    """The drift's size Σ_v |m̂_v − (Σ m̂) p_v|, m̂ = q̂ f(p / q̂), over all V: a token mean."""
+    p = np.exp(np.asarray(jax.nn.log_softmax(np.asarray(d["z"], np.float64))))
+    q, mask = np.exp(np.asarray(d["logq"], np.float64)), np.asarray(d["mask"])
+    head = np.zeros_like(p, bool)
+    np.put_along_axis(head, np.asarray(d["ids"]), True, -1)
+    rho = (1 - (q * head).sum(-1, keepdims=True)) / (1 - (p * head).sum(-1, keepdims=True))
+    m_hat = np.where(head, q, rho * p) * f(p / np.where(head, q, rho * p))
+    return np.abs(m_hat - m_hat.sum(-1, keepdims=True) * p).sum(-1)[mask].mean()
+
+
 # --------------------------------------------------------------------------------------------------
 # masked importance sampling
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -537,23 +562,6 @@ def test_mis_topk_multi_token_tail_equals_exact_formula_on_modelled_q():
         np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-6, err_msg=str(band))
 
 
-def test_mis_full_band_is_untruncated_is_and_centring_changes_nothing():
-    """The band [0, ∞) is untruncated IS: m = p, so c = 0: centring changes no gradient (step 9)."""
-    d = _batch(12)
-    band = (0.0, INF)
-    _, g_plain = _value_grad(d, center=False, correction=sc.mis(*band))
-    _, g_exact = _value_grad(d, head_logprobs=d["logq"], correction=sc.mis(*band))
-    _, g_topk = _value_grad(
-        d, head_ids=d["ids"], head_logprobs=d["logq_H"], correction=sc.mis(*band)
-    )
-    np.testing.assert_allclose(g_exact, g_plain, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(g_topk, g_plain, rtol=1e-5, atol=1e-6)
-    _, grad = _np_loss(d, lambda r: r, center=False)  # w = p/q on every token
-    np.testing.assert_allclose(g_plain, grad, rtol=1e-5, atol=1e-6)
-    _, m = _topk_loss(d, correction=sc.mis(*band))
-    assert float(m["centring_size"]) < 1e-6 and float(m["clipped"]) == 0.0
-
-
 @pytest.mark.parametrize("band", BANDS)
 def test_mis_tokens_outside_the_band_contribute_nothing_to_the_sampled_term(band):
     d = _batch(13, T=8)
@@ -577,12 +585,8 @@ def test_mis_metrics_are_the_documented_quantities():
     mask = np.asarray(d["mask"])
     assert 0 < _out(r_y, band)[mask].mean() < 1
     np.testing.assert_allclose(m["clipped"], _out(r_y, band)[mask].mean(), rtol=1e-6, atol=1e-7)
-    logp = np.asarray(jax.nn.log_softmax(np.asarray(d["z"], np.float64)))
-    p_H = np.exp(np.take_along_axis(logp, np.asarray(d["ids"]), -1))
-    # m − α p
-    c = np.where(_out(r_H, band), 0, p_H) - np.where(_out(r_tail, band), 0, 1)[..., None] * p_H
     np.testing.assert_allclose(
-        m["centring_size"], np.abs(c).sum(-1)[mask].mean(), rtol=1e-4, atol=1e-6
+        m["drift_size"], _np_drift_size(d, _mis_w(*band)), rtol=1e-4, atol=1e-6
     )
 
 

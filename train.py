@@ -225,10 +225,13 @@ def make_train_step(cfg, opt, micro_batch, mesh, center, correction=None, lora_s
         n_tokens = jnp.maximum(tokens.sum(), 1)
         grads = jax.tree.map(lambda dg: dg / n_tokens, grads)
 
-        # the optimizer's update, and the metrics' token means over the batch
+        # the optimizer's update, and the metrics' token means over the batch (a _max: the largest)
         updates, new_state = opt.update(grads, opt_state, params)
         new = optax.apply_updates(params, updates)
-        metrics = {name: (x * tokens).sum() / n_tokens for name, x in metrics.items()}
+        metrics = {
+            k: x.max() if k.endswith("_max") else (x * tokens).sum() / n_tokens
+            for k, x in metrics.items()
+        }
         metrics |= dict(loss=loss.sum() / n_tokens, grad_norm=optax.tree.norm(grads))
 
         # a loss, gradient or weight that is not finite: the update is skipped, the run told

@@ -162,3 +162,20 @@ def test_a_sequence_weight_scales_the_rows_advantage(name, center):
     v_scaled, g_scaled = _value_grad({**d, "A": d["A"] * w}, **head, center=center)
     np.testing.assert_allclose(v, v_scaled, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(g, g_scaled, rtol=1e-5, atol=1e-7)
+
+
+def test_mis_full_band_is_untruncated_is_and_centring_changes_nothing():
+    """The band [0, ∞) is untruncated IS: m = p, so c = 0: centring changes no gradient (step 9)."""
+    d = _batch(12)
+    band = (0.0, np.inf)
+    _, g_plain = _value_grad(d, center=False, correction=sc.mis(*band))
+    _, g_exact = _value_grad(d, head_logprobs=d["logq"], correction=sc.mis(*band))
+    _, g_topk = _value_grad(
+        d, head_ids=d["ids"], head_logprobs=d["logq_H"], correction=sc.mis(*band)
+    )
+    np.testing.assert_allclose(g_exact, g_plain, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g_topk, g_plain, rtol=1e-5, atol=1e-6)
+    _, grad = _np_loss(d, lambda r: r, center=False)  # w = p/q on every token
+    np.testing.assert_allclose(g_plain, grad, rtol=1e-5, atol=1e-6)
+    _, m = spec._topk_loss(d, correction=sc.mis(*band))
+    assert float(m["drift_size"]) < 1e-6 and float(m["clipped"]) == 0.0
