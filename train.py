@@ -382,9 +382,9 @@ def run(args, task, fn, center, seed, out, prefix=""):
         say(f"evaluation: {len(test)} held-out prompts, greedy, {held_out} rows a call")
         tic = time.perf_counter()
         out = rollouts.generate(fn.greedy, copy(params), test, task.pad, None, data, held_out, say)
-        acc = float(np.mean(task.reward(out["tokens"], out["mask"], golds)))
-        say(f"evaluation: score {acc:.3f}, {time.perf_counter() - tic:.0f} s")
-        return dict(drift=drift(policy(params)), acc=acc)
+        correct = np.asarray(task.reward(out["tokens"], out["mask"], golds))  # a reward a problem
+        say(f"evaluation: score {correct.mean():.3f}, {time.perf_counter() - tic:.0f} s")
+        return dict(drift=drift(policy(params)), acc=correct.mean(), correct=correct)
 
     # the rollouts: P prompts a step, each G times, in an order drawn from the seed
     order = np.random.default_rng(seed).permutation(len(task.train))

@@ -397,6 +397,7 @@ def recorder(args, out, hist, prefix=""):
 
     def record(row, params, opt_state, w_sampler):
         finite = bool(row.pop("finite", True))
+        correct = row.pop("correct", None)  # each held-out problem's reward (accuracy: 1 or 0)
         row = {k: v if k == "step" else float(v) for k, v in row.items()}
         step = hist["last"] = row["step"]
         trained = "loss" in row and finite  # an update was made
@@ -413,6 +414,10 @@ def recorder(args, out, hist, prefix=""):
         if not finite:
             hist["diverged_at_step"] = step
         log_step(row, args.steps, out, prefix)
+        if correct is not None and out and not jax.process_index():  # in the held-out set's order
+            rewards = [round(float(x), 6) for x in np.asarray(correct)]
+            with LOCK, open(f"{out}/evals.jsonl", "a") as f:
+                f.write(json.dumps(dict(step=step, rewards=rewards)) + "\n")
 
         # the resumable state, and where Ctrl-C's message says the run can continue from
         if out and args.save_every and (step + 1) % args.save_every == 0 and trained:
@@ -459,7 +464,7 @@ def save_state(file, hist, *trees):  # float32 leaves (bf16 widened exactly), th
     atomic(file, lambda f: np.savez(f, hist=np.array(json.dumps(strict(hist))), **leaves), "wb")
 
 
-def resume(out, hist, *trees):  # hist and trees from out's state, if any; metrics.jsonl cut there
+def resume(out, hist, *trees):  # hist and trees from out's state, if any; rows past it set aside
     if not out:
         return hist, trees
     file = os.path.join(out, "state.npz")
@@ -474,12 +479,28 @@ def resume(out, hist, *trees):  # hist and trees from out's state, if any; metri
             ]
             trees = tree.unflatten(leaves)  # typed and placed like the templates `trees`
         print(f"resumed {out} at step {hist['step']}", flush=True)
-    # rows past the saved state, or cut by a kill mid-write, are the interrupted run's: logged again
-    file = os.path.join(out, "metrics.jsonl")
-    if os.path.exists(file):  # else the run has logged no row, and wrote nothing yet
-        rows = [r for r in open(file) if r.endswith("\n") and json.loads(r)["step"] < hist["step"]]
-        atomic(file, lambda f: f.writelines(rows))
+    elif os.path.exists(os.path.join(out, "metrics.jsonl")):  # no --save-every, or none saved yet
+        print(f"resumed {out} at step 0: no saved state (state.npz) to continue from", flush=True)
+    for name in ("metrics", "evals"):
+        set_aside(out, name, hist["step"])
     return hist, trees
+
+
+def set_aside(out, name, step):
+    """Rows of out/NAME.jsonl at or past `step` are logged again by a resumed run: they move to
+    out/NAME.replaced.jsonl (appended, never lost); a line cut short by a kill mid-write goes."""
+    file = os.path.join(out, f"{name}.jsonl")
+    if not os.path.exists(file):  # else the run has logged no row, and wrote nothing yet
+        return
+    rows = [r for r in open(file) if r.endswith("\n")]
+    past = [r for r in rows if json.loads(r)["step"] >= step]
+    if past and not jax.process_index():
+        with LOCK, open(os.path.join(out, f"{name}.replaced.jsonl"), "a") as f:
+            f.writelines(past)
+        print(
+            f"  {len(past)} rows of {name}.jsonl from step {step} on: kept in {name}.replaced.jsonl"
+        )
+    atomic(file, lambda f: f.writelines(r for r in rows if json.loads(r)["step"] < step))
 
 
 def interruptible(work):  # work() in a thread, so that Ctrl-C is honoured at once, even inside XLA

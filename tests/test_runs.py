@@ -275,8 +275,31 @@ def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(
     assert not os.path.exists(tmp_path / "b" / "state.npz")  # a finished run frees its state
     rows = [[json.loads(x) for x in open(tmp_path / d / "metrics.jsonl")] for d in ("a", "b")]
     assert _strip(rows[0]) == _strip(rows[1]) and [r["step"] for r in rows[1]] == [0, 1, 2, 3, 4]
+    # the row past the saved state is kept aside, not lost; each held-out prompt's score, each step
+    aside = [json.loads(x) for x in open(tmp_path / "b" / "metrics.replaced.jsonl")]
+    assert aside == [{"step": 2, "reward": -1.0}]
+    evals = [[json.loads(x) for x in open(tmp_path / d / "evals.jsonl")] for d in ("a", "b")]
+    assert evals[0] == evals[1] and [r["step"] for r in evals[1]] == [0, 1, 2, 3, 4]
+    scores = [np.mean(r["rewards"]) for r in evals[0]]
+    acc = [r["acc"] for r in rows[0]]  # rewards kept to 6 decimals
+    assert len(evals[0][0]["rewards"]) == 8 and scores == pytest.approx(acc, abs=1e-6)
     a, b = (jax.tree.leaves(hf_checkpoint.load(str(tmp_path / d)).weights) for d in ("a_w", "b_w"))
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b, strict=True))
+
+
+def test_a_resume_with_no_saved_state_starts_over_and_keeps_the_rows_it_had(tmp_path, gsm, capsys):
+    """A run without --save-every that stopped before its summary: --resume starts it over at step
+    0, says so, and moves the rows it had to metrics.replaced.jsonl and evals.replaced.jsonl."""
+    out = tmp_path / "run"
+    train.main(tiny_argv(gsm, "--out", str(out)))
+    os.remove(out / "summary.json")  # as if stopped after its last row
+    had = {n: open(out / f"{n}.jsonl").read() for n in ("metrics", "evals")}
+    train.main(["--resume", str(out)])
+    assert "at step 0: no saved state" in capsys.readouterr().out
+    for name, text in had.items():
+        assert open(out / f"{name}.replaced.jsonl").read() == text
+        again = [json.loads(x) for x in open(out / f"{name}.jsonl")]
+        assert _strip(again) == _strip(json.loads(x) for x in text.splitlines())
 
 
 def test_a_start_that_fails_leaves_out_as_it_was_and_the_corrected_command_runs(
