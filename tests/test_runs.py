@@ -463,6 +463,13 @@ def test_staleness_refreshes_the_sampler_every_s_plus_1_steps(gsm, monkeypatch):
 OVER_2, LARGER = "the centred drop is over 2 points", "the centred drop is the larger"
 
 
+def rule_says(verdict, expected):  # the rule's result, alone or beside INCONCLUSIVE
+    return verdict.startswith(f"verdict: centring {expected}") or (
+        verdict.startswith("verdict: INCONCLUSIVE")
+        and f"rule alone: centring {expected}" in verdict
+    )
+
+
 @pytest.mark.parametrize(
     "drops, finals, expected",
     [
@@ -507,7 +514,28 @@ def test_verdict(drops, finals, expected):
         {arm: dict(drop=drops[i][s], final_acc=finals[i][s]) for i, arm in enumerate(arms)}
         for s in range(2)
     ]
-    assert compare.verdict(runs).startswith(f"verdict: centring {expected}")
+    assert rule_says(compare.verdict(runs), expected)
+
+
+@pytest.mark.parametrize(
+    "drops, inconclusive",
+    [
+        ([0.85 - 0.8025] * 2, True),  # 4.75 points: one problem of 400 short of 5
+        ([0.85 - 0.80] * 2, False),  # 5 points exactly (k/400 accuracies)
+        ([0.0, 0.0999], True),  # the mean over the seeds: 4.995
+        ([0.30, 0.30], False),
+    ],
+)
+def test_verdict_is_inconclusive_when_the_uncentred_arm_drops_under_5_points(drops, inconclusive):
+    """Whether centring prevents a drop can only be asked of runs whose uncentred arm dropped: under
+    5 points (the mean over the seeds), INCONCLUSIVE, with the rule's own result beside it."""
+    runs = [
+        dict(uncentered=dict(drop=u, final_acc=0.4), centered=dict(drop=0.0, final_acc=0.4))
+        for u in drops
+    ]
+    found = compare.verdict(runs)
+    assert found.startswith("verdict: INCONCLUSIVE") == inconclusive, found
+    assert rule_says(found, "VALIDATED" if np.mean(drops) >= 0.03 else "FAILED")  # 3 points apart
 
 
 @pytest.mark.parametrize(
@@ -528,7 +556,7 @@ def test_verdict_calls_drops_3_points_apart_noise_on_neither_side(drop_u, drop_c
         dict(uncentered=dict(drop=u, final_acc=0.4), centered=dict(drop=c, final_acc=0.4))
         for u, c in zip(drop_u, drop_c, strict=True)
     ]
-    assert compare.verdict(runs).startswith(f"verdict: centring {expected}")
+    assert rule_says(compare.verdict(runs), expected)
 
 
 def test_a_diverging_run_stops_with_finite_weights_and_strict_json(tmp_path, capsys):
