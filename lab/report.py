@@ -7,6 +7,7 @@ their saved states."""
 import argparse
 import glob
 import json
+import math
 import os
 
 import numpy as np
@@ -106,6 +107,51 @@ def report(folder, plot=None):  # prints the tables and the verdict; returns the
     )
 
 
+LATE = 0.4  # the pre-registered measure: the mean accuracy over the last 40% of the evaluations
+COLLAPSE = 0.10  # a run whose late mean is this far below its peak (or below step 0's) collapsed
+
+
+def late(rows):  # a run's step-0, peak and late-mean accuracy, its final drift, collapsed or not
+    acc = {r["step"]: r["acc"] for r in rows if "acc" in r}
+    steps = sorted(acc)
+    late_mean = float(np.mean([acc[s] for s in steps[-math.ceil(LATE * len(steps)) :]]))
+    peak, first = max(acc.values()), acc[steps[0]]
+    fell = round(peak - late_mean, 6) >= COLLAPSE or late_mean < first  # k/400 sit on the bound
+    drift = [r["drift"] for r in rows if r["step"] == steps[-1]][0]
+    return dict(first=first, peak=peak, late=late_mean, drift=drift, collapsed=fell)
+
+
+def preregistered(folder, control):
+    """docs/real_model.md's pre-registered reading of the full-weight runs: each run's late mean and
+    collapse, the paired difference centred − uncentred over the seeds (a 95% t-interval), and the
+    verdict: collapse prevented, a conclusive null, or inconclusive. control: the bf16 --compare."""
+    runs = {seed: {arm: late(arms[arm]) for arm in ARMS} for seed, arms in read(folder).items()}
+    rows = open(os.path.join(control, "uncentered_seed0", "metrics.jsonl"))
+    ref = late([json.loads(row) for row in rows])  # the bf16 control's uncentred arm, seed 0
+    diff = sweep.interval([r["centered"]["late"] - r["uncentered"]["late"] for r in runs.values()])
+    fell = {arm: sum(r[arm]["collapsed"] for r in runs.values()) for arm in ARMS}
+    drift = float(np.mean([r["uncentered"]["drift"] for r in runs.values()])) / ref["drift"]
+    n = len(runs)
+    if fell["uncentered"] >= 2 and not fell["centered"] and n == 3:
+        verdict = "collapse prevented (demonstrated)"
+    elif not any(fell.values()) and drift >= 1.5 and n == 3:
+        verdict = "conclusive null"
+    else:
+        verdict = "inconclusive"
+    print(f"{folder}: late means (the last {LATE:.0%} of evaluations), control {control}")
+    harness.table(
+        "run", {f"{a}_seed{s}": r[a] for s, r in runs.items() for a in ARMS}, LATE_COLUMNS
+    )
+    print(f"late mean, centred - uncentred: {sweep.span(*diff, '{:+.3f}')}")
+    print(f"collapsed: {fell['uncentered']} uncentred, {fell['centered']} centred of {n} seeds")
+    print(f"final drift, uncentred mean / the control's uncentred: {drift:.2f}")
+    print(f"pre-registered verdict: {verdict}" + (f" ({n} of 3 seeds in)" if n < 3 else ""))
+    return dict(runs=runs, diff=diff, collapsed=fell, drift_ratio=drift, verdict=verdict)
+
+
+LATE_COLUMNS = dict(first="{:.4f}", peak="{:.4f}", late="{:.4f}", drift="{:.2f}", collapsed="{}")
+
+
 def curves(file, runs, last, title):
     """Held-out accuracy and drift at each evaluation (dots), kl_q_p as the mean of the last 10
     updates at each step: uncentred red, centred blue, a line style per seed."""
@@ -132,5 +178,8 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("folder", help="the --out of a --compare")
     p.add_argument("--plot", help="draw the curves into this PNG (needs matplotlib)")
+    p.add_argument("--control", help="the bf16 control's --out: the pre-registered verdict too")
     args = p.parse_args()
     report(args.folder, args.plot)
+    if args.control:
+        preregistered(args.folder, args.control)

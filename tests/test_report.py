@@ -134,3 +134,48 @@ def test_the_smollm2_tables_and_verdicts_in_the_docs_recompute_from_the_committe
     found = rows_and_verdict(os.path.join(results, "smollm2-arith-bf16"), bf16, "{:.2g}")
     assert list(found["runs"]) == [0] and found["step"] == 100
     capsys.readouterr()
+
+
+def write_runs(folder, runs):  # runs {(arm, seed): (accuracies every 10 steps, final drift)}
+    for (arm, seed), (acc, drift) in runs.items():
+        os.makedirs(folder / f"{arm}_seed{seed}")
+        rows = [
+            dict(step=10 * i, acc=a, drift=drift * i / (len(acc) - 1)) for i, a in enumerate(acc)
+        ]
+        (folder / f"{arm}_seed{seed}" / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows)
+        )
+    return str(folder)
+
+
+RISE_THEN_FALL = [0.5, 0.6, 0.7, 0.8, 0.8, 0.8] + [0.6] * 6 + [0.3] * 9  # 21 evaluations, 200 steps
+FLAT = [0.5] + [0.7] * 20
+PREVENTED = "collapse prevented (demonstrated)"
+
+
+@pytest.mark.parametrize(
+    "uncentred, drift, verdict",
+    [
+        ([RISE_THEN_FALL, RISE_THEN_FALL, FLAT], 2.0, PREVENTED),
+        ([RISE_THEN_FALL, FLAT, FLAT], 2.0, "inconclusive"),  # 1 of 3 collapsed
+        ([FLAT] * 3, 1.5, "conclusive null"),  # none fell, 1.5x the control's drift
+        ([FLAT] * 3, 1.4, "inconclusive"),  # none fell, the mismatch barely moved it
+        ([[0.5] + [0.8] * 11 + [0.7] * 9] * 3, 1.0, PREVENTED),  # 10 points below: collapsed
+        ([[0.6] + [0.55] * 20] * 3, 1.0, PREVENTED),  # below step 0: collapsed
+        ([[0.5] + [0.8] * 11 + [0.7025] * 9] * 3, 1.0, "inconclusive"),  # 9.75 below: did not
+    ],
+)
+def test_the_preregistered_verdict_by_hand(tmp_path, capsys, uncentred, drift, verdict):
+    """docs/real_model.md's rules: the late mean is over the last 9 of 21 evaluations (40%); a run
+    collapses 10 points below its peak (k/400 on the bound included) or below step 0; the verdict
+    needs 2 of 3 uncentred arms and no centred one fallen, or none fallen at 1.5x the drift."""
+    runs = {("uncentered", s): (acc, drift) for s, acc in enumerate(uncentred)}
+    runs |= {("centered", s): (FLAT, 1.0) for s in range(3)}
+    folder = write_runs(tmp_path / "main", runs)
+    control = write_runs(tmp_path / "control", {("uncentered", 0): (FLAT, 1.0)})
+    found = report.preregistered(folder, control)
+    assert found["verdict"] == verdict
+    assert f"pre-registered verdict: {verdict}" in capsys.readouterr().out
+    late = [np.mean(acc[12:]) for acc in uncentred]  # steps 120 to 200
+    assert found["diff"][0] == pytest.approx(np.mean(0.7 - np.array(late)), abs=1e-12)
+    assert found["drift_ratio"] == pytest.approx(drift)
