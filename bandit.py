@@ -1,6 +1,7 @@
-"""The toy bandit: the mechanism of drift in seconds, through the very same loss.
+"""The toy bandit, standalone (of this project it imports score_centering alone): the mechanism of
+drift in seconds, through the very same loss.
 
-    python bandit.py    # centring off and on, with an online and a frozen sampler; --plot FILE
+    python bandit.py    # centring off and on, with an online and a frozen sampler
 
 The policy is V logits; the sampler's are the trainer's plus a fixed random offset (a persistent
 bias, like a quantiser's). A rollout is one token, rewarded 1 with its arm's success rate. With raw
@@ -10,7 +11,6 @@ in logits (drift, TV(p_t, p_0), nears its maximum 1 − 1/V); frozen, it stops. 
 """
 
 import argparse
-import os
 
 import jax
 import jax.numpy as jnp
@@ -74,22 +74,13 @@ def main(argv=None):
     p.add_argument("--noise", type=float, default=0.5, help="std of the sampler's logit offset")
     p.add_argument("--tis-cap", type=float, help="truncated IS, weight min(p/q, C)")
     p.add_argument("--seed", type=int, default=0, help="of the toy and of the rollouts")
-    p.add_argument("--plot", metavar="FILE", help="plot drift by step to FILE (.png, .pdf, .svg)")
     args = p.parse_args(argv)
     cap_ok = args.tis_cap is None or args.tis_cap > 0  # omitted: no IS; inf: untruncated IS
     if not (args.steps >= 1 and 0 < args.lr < jnp.inf and 0 <= args.noise < jnp.inf and cap_ok):
         p.error("--steps >= 1, --lr finite > 0, --noise finite >= 0, --tis-cap > 0 (or omit it)")
-    if args.plot:  # before the runs: matplotlib (optional; no pyplot), a format it has, a folder
-        try:
-            from matplotlib.figure import Figure
-        except ImportError:
-            p.error("--plot needs matplotlib: pip install matplotlib")
-        kind, folder = args.plot.rpartition(".")[2].lower(), os.path.dirname(args.plot) or "."
-        if kind not in Figure().canvas.get_supported_filetypes() or not os.path.isdir(folder):
-            p.error(f"--plot {args.plot}: name a .png, .pdf or .svg file in a writable folder")
 
     # run the four, then print their table
-    options = {k: v for k, v in vars(args).items() if k != "plot"}  # bandit's keywords
+    options = vars(args)  # the flags: bandit's keywords
     runs = {}
     for sampler, staleness in (("online", 0), ("frozen", args.steps)):
         for center in (False, True):
@@ -101,17 +92,6 @@ def main(argv=None):
     print(f"{'sampler centring':22s} {'drift':>5} {'reward':>6}")
     for name, r in runs.items():
         print(f"{name:22s} {r['drift']:5.3f} {r['reward']:6.3f}")
-
-    # the figure: drift against steps, online solid, frozen dashed; off red, on blue
-    if args.plot:
-        ax = Figure(figsize=(5.5, 3.3), dpi=100, layout="tight").subplots()
-        for name, r in runs.items():
-            style = ("r" if name.endswith("off") else "b") + ("-" if "online" in name else "--")
-            ax.plot(range(1, args.steps + 1), r["curve"], style, label=name)
-        ax.axhline(runs["online off"]["gap"], color="k", ls=":", lw=0.8, label="gap at start")
-        ax.set(xlabel="step", ylabel="drift  TV(p_t, p_0)", title=f"baseline {args.baseline}")
-        ax.legend(title="sampler, centring", fontsize=7, title_fontsize=7, frameon=False)
-        ax.figure.savefig(args.plot)
     return runs
 
 

@@ -6,11 +6,14 @@ import tempfile
 
 # 4 CPU devices for the sharding tests; the suite compiles many small programs and runs each a few
 # times: XLA's CPU backend at optimisation level 0, without its fusion emitters, in one codegen
-# module compiles them in a third of the time (measured: a short sequence run 18 s -> 9 s)
+# module compiles them in a third of the time (measured: a short sequence run 18 s -> 9 s); its
+# concurrency-optimised scheduler off: with it, a train step's collectives over the 4 devices could
+# wait on each other until XLA aborted (seen in about half the sequence --compare runs)
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
     " --xla_cpu_parallel_codegen_split_count=1"
+    " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 )
 import jax  # after XLA_FLAGS: jax reads them when it starts
 

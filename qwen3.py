@@ -1,5 +1,6 @@
-"""Qwen3 (dense) in pure JAX, the model only: a dict of weights and pure functions. Llama is Qwen3
-without QK-norm: its checkpoints have no q_norm and k_norm weights, and forward skips them.
+"""Qwen3 (dense) in pure JAX, the model only: a dict of weights and pure functions; the checkpoint's
+weight names are in lab/models.py. Llama is Qwen3 without QK-norm: its checkpoints have no q_norm
+and k_norm weights, and forward skips them.
 B batch rows, T query length, S key/KV-cache length, D model width, F MLP hidden, H head dimension,
 N query heads, K key/value heads, R query heads per key/value head (N = K·R), L layers, V vocab.
 Every layer weight is stacked along a leading L axis, and the layers run with lax.scan."""
@@ -96,35 +97,3 @@ def forward(
     x = rms_norm(x if last is None else x[:, -last:], w["norm"], eps)
     head = w["embed"] if cfg.get("tie_word_embeddings") else w["lm_head"]  # [V, D]
     return mm("btd,vd->btv", x, head.astype(dtype)).astype(jnp.float32), kv
-
-
-def layout(cfg):
-    """The weights, {our name: (Hugging Face name, its shape, our shape)}: the top-level ones, and
-    one layer's ("{}" in the name is the layer's index). A torch Linear is [out, in]; ours are
-    [in, out], with the heads split out (q [D, N, H], o [N, H, D])."""
-    D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    N, K, H = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    top = dict(
-        embed=("model.embed_tokens.weight", (V, D), (V, D)),
-        norm=("model.norm.weight", (D,), (D,)),
-    )
-    if not cfg.get("tie_word_embeddings"):
-        top["lm_head"] = ("lm_head.weight", (V, D), (V, D))
-    layers = dict(
-        attn_norm=("input_layernorm", (D,), (D,)),
-        q_norm=("self_attn.q_norm", (H,), (H,)),
-        q=("self_attn.q_proj", (N * H, D), (D, N, H)),
-        k=("self_attn.k_proj", (K * H, D), (D, K, H)),
-        v=("self_attn.v_proj", (K * H, D), (D, K, H)),
-        k_norm=("self_attn.k_norm", (H,), (H,)),
-        o=("self_attn.o_proj", (D, N * H), (N, H, D)),
-        mlp_norm=("post_attention_layernorm", (D,), (D,)),
-        gate=("mlp.gate_proj", (F, D), (D, F)),
-        up=("mlp.up_proj", (F, D), (D, F)),
-        down=("mlp.down_proj", (D, F), (F, D)),
-    )
-    if cfg["model_type"] == "llama":  # no QK-norm
-        del layers["q_norm"], layers["k_norm"]
-    return top, {
-        ours: ("model.layers.{}." + hf + ".weight", *s) for ours, (hf, *s) in layers.items()
-    }

@@ -1,12 +1,12 @@
-"""Qwen3.5 (not MoE) in pure JAX, the model only, with qwen3.py's forward contract. A hybrid: config
-layer_types makes each layer Gated DeltaNet (linear attention: a causal conv, then the gated delta
-rule's recurrent state) or gated full attention (QK-norm, partial RoPE, GQA, a sigmoid output gate).
-B batch rows, T query length, S key/KV-cache length, D model width, F MLP hidden, V vocab; full
-attention: N query heads, K key/value heads, R = N/K, H head dimension; linear attention: J key
-heads of dimension E, U value heads of dimension Y (U a multiple of J: value head u reads key
-head u // (U / J)), C = 2·J·E + U·Y channels; the chunked delta rule: n chunks of 64 tokens, t
-and s tokens in a chunk. Each kind's layer weights are stacked along a leading axis of their
-own: w["linear"], w["full"]."""
+"""Qwen3.5 (not MoE) in pure JAX, the model only, with qwen3.py's forward contract; lab/ holds its
+checkpoint's weight names (models.py) and its solve's memory-saving gradient (solve.py). A hybrid:
+config layer_types makes each layer Gated DeltaNet (linear attention: a causal conv, then the gated
+delta rule's recurrent state) or gated full attention (QK-norm, partial RoPE, GQA, a sigmoid output
+gate). B batch rows, T query length, S key/KV-cache length, D model width, F MLP hidden, V vocab;
+full attention: N query heads, K key/value heads, R = N/K, H head dimension; linear attention: J key
+heads of dimension E, U value heads of dimension Y (value head u reads key head u // (U / J)), C =
+2·J·E + U·Y channels; the chunked delta rule: n chunks of 64 tokens, t and s tokens in a chunk.
+Each kind's layer weights are stacked along a leading axis of their own: w["linear"], w["full"]."""
 
 from functools import partial
 
@@ -41,43 +41,23 @@ def rope(x, pos, base, rotary):  # rotate-half RoPE on the first `rotary` channe
 # writes beta times the part of v that M does not yet predict from k, and reads it with q:
 #   M <- exp(g) M;  M <- M + beta k (v - M^T k)^T;  o = M^T q
 def recurrent_delta_rule(q, k, v, g, beta, M, state_dtype):
-    """One token: q, k [B, U, E], v [B, U, Y], g and beta [B, U], all float32, and the state M
-    [B, U, E, Y]. Returns o [B, U, Y] (read before rounding) and the new state, rounded to
-    state_dtype."""
+    """One token: q, k [B, U, E], v [B, U, Y], g and beta [B, U], all float32, the state M [B, U,
+    E, Y]. Returns o [B, U, Y] (read before rounding) and the new state, rounded to state_dtype."""
     M = M * jnp.exp(g)[..., None, None]
     write = (v - jnp.einsum("bue,buey->buy", k, M)) * beta[..., None]
     M = M + jnp.einsum("bue,buy->buey", k, write)
     return jnp.einsum("bue,buey->buy", q, M), M.astype(state_dtype).astype(F32)
 
 
-@jax.custom_vjp
-def unit_lower_solve(A, x):
-    """(I + A)^-1 x, A strictly lower triangular [..., t, s]: forward substitution, a row a step
-    (LAPACK's triangular solve's backward pass hangs XLA's CPU runtime on several devices). Its
-    backward pass is the transposed solve: autodiff through the loop would keep x once per row."""
-
-    def row(i, x):  # x_i <- x_i - Σ_s<i A[i, s] x_s, the rows before i already solved
+def unit_lower_solve(A, x):  # (I + A)^-1 x, A strictly lower triangular [..., t, s], a row a step
+    # (not LAPACK's triangular solve: differentiated, it hangs XLA's CPU runtime on several devices)
+    def row(i, x):  # forward substitution: x_i <- x_i - Σ_s<i A[i, s] x_s, rows before i solved
         return x.at[..., i, :].add(-jnp.einsum("...s,...sy->...y", A[..., i, :], x))
 
     return jax.lax.fori_loop(0, A.shape[-1], row, x)
 
 
-def solve_forward(A, x):  # u and what the backward pass keeps: A and u
-    u = unit_lower_solve(A, x)
-    return u, (A, u)
-
-
-def solve_backward(kept, du):  # u = (I + A)^-1 x: x̄ = (I + A)^-T ū, Ā = -x̄ uᵀ below the diagonal
-    A, u = kept
-    flipped = jnp.flip(jnp.swapaxes(A, -1, -2), (-2, -1))  # P Aᵀ P, P the reversal: lower
-    dx = jnp.flip(unit_lower_solve(flipped, jnp.flip(du, -2)), -2)  # P (I + P Aᵀ P)^-1 P ū
-    return -jnp.tril(jnp.einsum("...ty,...sy->...ts", dx, u), -1), dx  # (Ā, x̄), as (A, x)
-
-
-unit_lower_solve.defvjp(solve_forward, solve_backward)
-
-
-def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
+def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, solve=unit_lower_solve, size=64):
     """The same over T tokens (a T axis after B), 64 a chunk (docs/qwen3_5.md derives it): in a
     chunk two triangular solves, then matmuls; the state passed on, rounded to state_dtype."""
     B, T = g.shape[:2]
@@ -95,8 +75,8 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
     # step 2: a write u_t = beta_t (v_t - (e^g_t M_{t-1})^T k_t) reads the chunk's earlier writes:
     # (I + A) u = beta (v - exp(gam) M^T k), M the chunk's start, A[t, s] = beta_t decay k_t·k_s
     A = jnp.tril(jnp.einsum("nbute,nbuse->nbuts", k, k) * decay, -1) * beta[..., None]
-    u_0 = unit_lower_solve(A, v * beta[..., None])  # the writes if M = 0
-    u_M = unit_lower_solve(A, k * (beta * jnp.exp(gam))[..., None])  # u = u_0 - u_M M
+    u_0 = solve(A, v * beta[..., None])  # the writes if M = 0
+    u_M = solve(A, k * (beta * jnp.exp(gam))[..., None])  # u = u_0 - u_M M
     attn = jnp.einsum("nbute,nbuse->nbuts", q, k) * decay  # step 3's (q_t · k_s) decay[t, s]
 
     def step(M, xs):  # steps 3-4 across chunks, M the state at a chunk's start: its o, M at its end
@@ -113,7 +93,7 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, size=64):
     return o.reshape(B, n * size, *o.shape[3:])[:, :T], state
 
 
-def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype):
+def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype, solve):
     """Gated DeltaNet, layer i of the linear stack, on h [B, T, D] (real [B, T, 1]: False at
     padding): its output [B, T, D] and kv, whose conv inputs and state it continues and updates."""
     J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
@@ -141,7 +121,7 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype):
         o, state = recurrent_delta_rule(*(x[:, 0] for x in xs), state, state_dtype)
         o = o[:, None]  # [B, T, U, Y]
     else:  # a sequence (the trainer, a prefill): 64 tokens a chunk, mostly matmuls
-        o, state = chunked_delta_rule(*xs, state, state_dtype)
+        o, state = chunked_delta_rule(*xs, state, state_dtype, solve)
     if kv is not None:
         conv = kv["conv"].at[i].set(window[:, T:].astype(kv["conv"].dtype))
         kv = dict(kv, conv=conv, state=kv["state"].at[i].set(state))
@@ -181,11 +161,13 @@ def forward(
     last=None,
     kv_quant=None,
     state_dtype=F32,
+    solve=unit_lower_solve,
 ):
     """Logits float32 [B, T, V] (or [B, last, V]) and the updated kv, as qwen3.forward: pos < 0 is
     padding, left only (the conv reads it as zeros); with kv, full attention writes this call's K
     and V (as kv_quant(a) if given) at slots [start, start + T), linear attention goes on from the
-    cache's conv inputs and state. state_dtype: the state's precision. mm(spec, activation, w)."""
+    cache's conv inputs and state. state_dtype: the state's precision. mm(spec, activation, w).
+    solve(A, x): the chunked delta rule's triangular solve (lab/solve.py: its memory-saving one)."""
     eps, H = cfg["rms_norm_eps"], cfg["head_dim"]
     base = cfg["rope_parameters"]["rope_theta"]
     rotary = int(H * cfg["rope_parameters"]["partial_rotary_factor"])  # mRoPE is plain RoPE on text
@@ -221,7 +203,7 @@ def forward(
         if kind == "full_attention":
             h, kv = full_attention(h, lw, kv, i)
         else:
-            h, kv = gated_delta_net(cfg, lw, h, pos[..., None] >= 0, kv, i, mm, state_dtype)
+            h, kv = gated_delta_net(cfg, lw, h, pos[..., None] >= 0, kv, i, mm, state_dtype, solve)
         x = x + h
         # MLP
         h = rms_norm(x, lw["mlp_norm"], eps)

@@ -1,6 +1,17 @@
 """The machinery train.py's runs stand on; the ideas are in the files above this folder.
 
-models         the model file a config.json names; weight stacks, Qwen3.5's layout, input axes
+The rule: the top-level files are the reference, the simplest code that computes what the runs
+compute. What makes a run fast, big, cheaper or observed lives here, as a drop-in for a top-level
+function (the same signature, the same numbers up to the order of float32 sums) or a wrapper around
+it, chosen when run.py builds a run, each with a test that holds it equal to the reference. A new
+capability lands here, never by widening a top-level file; nothing here imports train.py but the
+`python -m` entry points, which pass it in.
+
+run            one run of train.py: its programs, the policy, data, evaluation, grpo with logs
+grouped        drop-ins for the sampler and trainer logits that compute a group's prompt once
+train_step     the drop-in train step: micro-batches, FSDP or LoRA, the non-finite guard
+models         the model file a config.json names, as the runs call it; weight names, input axes
+solve          Qwen3.5's triangular solve with a memory-saving backward pass, a drop-in for its own
 hf_checkpoint  Hugging Face checkpoints: safetensors, config.json, the tokenizer; load and save
 tokenizer      byte-level BPE through tiktoken, and the checkpoint's own chat template
 gguf           python -m lab.gguf FILE OUT: a GGUF file as a checkpoint folder

@@ -26,9 +26,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lab import hf_checkpoint, tasks
+from lab import grouped, hf_checkpoint, tasks
 from lab.devices import shardings
 from lab.models import model
+from lab.train_step import make_train_step
 
 QWEN3_06B = dict(  # Qwen3-0.6B's config
     model_type="qwen3",
@@ -148,7 +149,7 @@ def time_sampler(train, cfg, sampler_w, prompt, pos, args, bandwidth):  # sample
     calls = {}
     for kind, k in SAMPLERS:
         for m in (1, M):  # eos -1 is never sampled: every row decodes m tokens
-            fn = train.make_sampler(cfg, m, k, (-1,), dict(mm=train.quant_mm(kind)))
+            fn = grouped.make_sampler(cfg, m, k, (-1,), dict(mm=train.quant_mm(kind)))
             calls[kind, k, m] = partial(fn, sampler_w[kind], prompt, pos, jax.random.PRNGKey(0))
     first, times = timed_rounds(calls, args.repeats)
     cache = jax.eval_shape(partial(model(cfg).init_kv, cfg, B, T0 + M, jnp.bfloat16))
@@ -201,7 +202,7 @@ def time_train(train, cfg, w, batch, k, mesh, args, peak_flops):
     opt = optax.sgd(1e-4)
     calls = {}
     for center in (False, True):
-        step = train.make_train_step(cfg, opt, B, mesh, center)
+        step = make_train_step(cfg, opt, B, mesh, center)
         params = jax.tree.map(jnp.copy, jax.device_put(w, shardings(w, mesh)))  # donated
         calls[center] = partial(one_step, step, [params, opt.init(params)], batch)
     first, times = timed_rounds(calls, args.repeats)
@@ -279,7 +280,7 @@ def main(argv, train):
     adv = jax.random.normal(key, (args.rows,))  # random advantages
     steps = []
     for k in (128, 0) if cfg["vocab_size"] <= 4096 else (128,):  # 0: exact (train.py: small V)
-        sample = train.make_sampler(cfg, args.new, k, (-1,), dict(mm=train.quant_mm("int8")))
+        sample = grouped.make_sampler(cfg, args.new, k, (-1,), dict(mm=train.quant_mm("int8")))
         batch = dict(sample(sampler_w["int8"], prompt, pos, key), prompt=prompt, pos=pos, adv=adv)
         batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))  # rows split
         steps += time_train(train, cfg, w, batch, k, mesh, args, peak_flops)

@@ -14,8 +14,8 @@ from lab import harness, models, sweep, tasks
 
 
 def compare(args, task, fn, run):
-    """Every run of a --compare or --sweep; returns the report's summary. fn: train.build's
-    programs; run(args, task, fn, center, seed, out, prefix) -> a run's summary (train.run)."""
+    """Every run of a --compare or --sweep; returns the report's summary. fn: lab.run.build's
+    programs; run(args, task, fn, center, seed, out, prefix) -> a run's summary (lab.run.run)."""
     start = time.perf_counter()  # the sweep's wall-clock time, compiling included
     seeds = args.seeds or [args.seed]
     by_seed = dict.fromkeys(seeds, task)

@@ -1,8 +1,8 @@
 """LoRA adapters on every matmul of a layer, of each kind (attention, linear attention, MLP): their
 start, the merged weights the sampler and --save take, and the trainer's matmul that never merges
 them (docs/lora.md). L layers, r the rank; a weight is [L, inputs..., outputs...] in a stack of
-layers (lab/models.py), its inputs the axes `input_axes` names (train.INPUT_AXES), and an adapter
-pair lora_a [L, inputs, r], lora_b [L, r, outputs]."""
+layers, its inputs the axes `input_axes` names (lab/models.py's INPUT_AXES), and an adapter pair
+lora_a [L, inputs, r], lora_b [L, r, outputs]."""
 
 import math
 

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import score_centering as sc
-from lab import harness, problems, rollouts, tasks
+from lab import grouped, harness, problems, rollouts, run, tasks
 
 MISMATCH_LEVELS = "0,int8,fp8,0+kv_fp8,0+kv_int8,0+kv_int4,int8+kv_int4,fp8+kv_fp8,0.01,0.02"
 DRIFT_LEVELS = "0,int8,fp8+kv_fp8,int8+kv_int4,0.02"  # the chain sweep's levels (tasks.py)
@@ -48,15 +48,15 @@ def sampler(train, args, task, level, topk, key):
     numerics = dict(mm=train.quant_mm(kind), kv_quant=train.kv_quant(kv))
     numerics["dtype"] = train.SAMPLER_DTYPES[kind]
     if args.state_dtype:
-        numerics["state_dtype"] = train.STATE_DTYPES[args.state_dtype]
+        numerics["state_dtype"] = run.STATE_DTYPES[args.state_dtype]
     w_q = train.sampler_weights(task.weights, kind, sigma, jax.random.fold_in(key, 1))
-    return train.make_sampler(task.cfg, args.max_tokens, topk, task.eos, numerics), w_q
+    return grouped.make_sampler(task.cfg, args.max_tokens, topk, task.eos, numerics), w_q
 
 
 def trainer_logp(
     train, cfg, w, rec, rows
 ):  # the float32 trainer's log p [B, M] of the sampled tokens
-    logp = jax.jit(lambda w, b: train.token_logp(cfg, w, b))
+    logp = jax.jit(lambda w, b: grouped.token_logp(cfg, w, b))
     keep = ("prompt", "pos", "tokens")
     calls = [
         np.asarray(logp(w, {k: rec[k][i : i + rows] for k in keep}))
@@ -91,7 +91,7 @@ def gradients(train, cfg, w, b, rows):
 
     @jax.jit
     def both(w, b):
-        fwd = lambda w: train.completion_logits(cfg, w, b["prompt"], b["pos"], b["tokens"])  # noqa: E731
+        fwd = lambda w: grouped.completion_logits(cfg, w, b["prompt"], b["pos"], b["tokens"])  # noqa: E731
         logits, vjp = jax.vjp(fwd, w)
         args = b["tokens"], b["mask"], b["adv"], b["logq"], b["head_logq"]
 
@@ -142,7 +142,7 @@ def drift(train, args, task, level, seed):
 def accuracy(
     train, args, task, level, seed
 ):  # greedy (clean bf16) on the first args.n test problems
-    sampler = train.make_sampler(task.cfg, args.max_tokens, 1, task.eos, greedy=True)
+    sampler = grouped.make_sampler(task.cfg, args.max_tokens, 1, task.eos, greedy=True)
     w_q = train.sampler_weights(task.weights, "bf16")
     test = task.test[: args.n]
     rec = rollouts.generate(

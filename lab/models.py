@@ -1,15 +1,24 @@
-"""The model file a config.json names, chosen once here: qwen3.py runs Qwen3 and Llama, qwen3_5.py
-Qwen3.5. Both have the same forward contract and an init_kv; their layer weights come in stacks,
-one a kind of layer, each [L, ...] (L its layers): qwen3's "layers", qwen3_5's "linear", "full".
-Qwen3.5's weight layout is here, beside the dispatch (qwen3.py keeps its own, qwen3.layout)."""
+"""The model file a config.json names, chosen once here, as the runs call it: qwen3.py runs Qwen3
+and Llama, qwen3_5.py Qwen3.5 (with lab/solve.py's memory-saving solve). Both have the same forward
+contract and an init_kv; their layer weights come in stacks, one a kind of layer, each [L, ...] (L
+its layers): qwen3's "layers", qwen3_5's "linear", "full". Beside the dispatch, each file's weights
+as a checkpoint names them (its layout), in the shape letters of the file's own docstring."""
+
+from functools import partial
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 
 import qwen3
 import qwen3_5
+from lab import solve
 
-FILES = dict(qwen3=qwen3, llama=qwen3, qwen3_5_text=qwen3_5)  # config.json's model_type: its file
+# qwen3_5.py as the runs call it: the chunked delta rule's solve with its memory-saving gradient
+QWEN3_5 = SimpleNamespace(
+    forward=partial(qwen3_5.forward, solve=solve.unit_lower_solve), init_kv=qwen3_5.init_kv
+)
+FILES = dict(qwen3=qwen3, llama=qwen3, qwen3_5_text=QWEN3_5)  # config.json's model_type: its model
 NAMES = dict(qwen3="Qwen3", llama="Llama", qwen3_5_text="Qwen3.5")
 STACKS = ("layers", "linear", "full")  # the stacks' names in a weight tree
 # each matmul weight's contracted (input) axes: [L, inputs..., outputs...] in a stack, [V, D] for
@@ -20,15 +29,47 @@ INPUT_AXES |= dict(embed=(1,), lm_head=(1,))
 INPUT_AXES |= dict(qkv=(1,), z=(1,), b=(1,), a=(1,), out=(1, 2))  # Qwen3.5's linear attention
 
 
-def model(cfg):  # the model file that runs cfg: its forward and init_kv
+def model(cfg):  # what runs cfg: its model file's forward and init_kv
     return FILES[cfg["model_type"]]
+
+
+def qwen3_layout(cfg):
+    """The weights, {our name: (Hugging Face name, its shape, our shape)}: the top-level ones, and
+    one layer's ("{}" in the name is the layer's index). A torch Linear is [out, in]; ours are
+    [in, out], with the heads split out (q [D, N, H], o [N, H, D])."""
+    D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    N, K, H = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    top = dict(
+        embed=("model.embed_tokens.weight", (V, D), (V, D)),
+        norm=("model.norm.weight", (D,), (D,)),
+    )
+    if not cfg.get("tie_word_embeddings"):
+        top["lm_head"] = ("lm_head.weight", (V, D), (V, D))
+    layers = dict(
+        attn_norm=("input_layernorm", (D,), (D,)),
+        q_norm=("self_attn.q_norm", (H,), (H,)),
+        q=("self_attn.q_proj", (N * H, D), (D, N, H)),
+        k=("self_attn.k_proj", (K * H, D), (D, K, H)),
+        v=("self_attn.v_proj", (K * H, D), (D, K, H)),
+        k_norm=("self_attn.k_norm", (H,), (H,)),
+        o=("self_attn.o_proj", (D, N * H), (N, H, D)),
+        mlp_norm=("post_attention_layernorm", (D,), (D,)),
+        gate=("mlp.gate_proj", (F, D), (D, F)),
+        up=("mlp.up_proj", (F, D), (D, F)),
+        down=("mlp.down_proj", (D, F), (F, D)),
+    )
+    if cfg["model_type"] == "llama":  # no QK-norm
+        del layers["q_norm"], layers["k_norm"]
+    return top, {
+        ours: ("model.layers.{}." + hf + ".weight", *s) for ours, (hf, *s) in layers.items()
+    }
 
 
 def qwen3_5_layout(cfg):
     """Qwen3.5's weights, {our name: (Hugging Face name, its shape, our shape)}: the top-level ones,
     and per stack (its layers' indices, one layer's weights, "{}" the index in a name). A torch
     Linear [out, in] is ours [in, out], heads split out; the conv's [C, 1, kernel] is ours [kernel,
-    C]. The shape letters are qwen3_5.py's (its docstring)."""
+    C]."""
     D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     N, K, H = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
@@ -77,9 +118,9 @@ def qwen3_5_layout(cfg):
 def layout(cfg):
     """The weights as qwen3_5_layout gives them: the top-level ones, and per stack (its layers'
     indices, one layer's weights); qwen3.py's every layer in one stack, "layers"."""
-    if model(cfg) is qwen3_5:
+    if model(cfg) is QWEN3_5:
         return qwen3_5_layout(cfg)
-    top, layers = qwen3.layout(cfg)
+    top, layers = qwen3_layout(cfg)
     return top, {"layers": (range(cfg["num_hidden_layers"]), layers)}
 
 

@@ -14,7 +14,7 @@ from lab import harness, models
 
 def plan(args, cfg, fn, shardings, lora_init, T0=256):
     """--plan: the sampler and the train step compiled on shapes and shardings alone; prints and
-    returns the bytes per device. fn: train.build's programs; shardings, lora_init: train's FSDP
+    returns the bytes per device. fn: lab/run.py build's programs; shardings, lora_init: the FSDP
     layout and LoRA adapters; T0: the prompt tokens planned for (GSM8K's: 100 to 250)."""
     L, mesh = cfg["num_hidden_layers"], fn.mesh
     B, M, key = args.prompts * args.group, args.max_tokens, jax.random.PRNGKey(0)  # B = P·G

@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lab import harness, rollouts, tasks
+from lab import harness, lora, rollouts, run, tasks
+from lab.devices import shardings
+from lab.models import INPUT_AXES
 
 
 def timed(name, call, times=2):  # call() `times` times: its last result; prints each time
@@ -54,15 +56,15 @@ def merged_lora(lora, scale):  # the trainer's LoRA merged into W first, as befo
 def main(argv, train):
     """train: the module whose programs are timed (train.py, passed in, not imported)."""
     args = harness.parse_args(argv)
-    task = tasks.load(args, train.shardings)
-    fn = train.build(args, task.cfg, task.eos)
+    task = tasks.load(args, shardings)
+    fn = run.build(train, args, task.cfg, task.eos)
     data, rows = NamedSharding(fn.mesh, PartitionSpec("data")), args.prompts * args.group
     key = jax.random.PRNGKey(args.seed)
 
     # the policy as a run starts it, and the sampler's copy
     params, base = task.weights, None
     if args.lora:
-        params = train.lora.init(task.weights, args.lora, key, train.INPUT_AXES)
+        params = lora.init(task.weights, args.lora, key, INPUT_AXES)
         base = task.weights
     opt_state, policy = fn.opt.init(params), fn.policy(params, base=base)
     w_q = timed("sampler copy", lambda: train.sampler_weights(policy, args.sampler))
@@ -73,7 +75,7 @@ def main(argv, train):
     sampler = fn.samplers(args.sampler, args.kv_quant, args.state_dtype)
     sample = partial(rollouts.generate, w=w_q, prompts=prompts, pad_id=task.pad, key=key, data=data)
     batch = timed("sample", lambda: sample(sampler, n=rows))
-    a_row = train.build(argparse.Namespace(**vars(args) | dict(group=1)), task.cfg, task.eos)
+    a_row = run.build(train, argparse.Namespace(**vars(args) | dict(group=1)), task.cfg, task.eos)
     prefill_a_row(
         a_row.samplers(args.sampler, args.kv_quant, args.state_dtype), batch, sample, rows
     )
@@ -86,8 +88,8 @@ def main(argv, train):
 
     timed("train step", lambda: train_step(batch))
     if args.lora:  # and with the adapters merged into W first, as before lab.lora.matmul
-        with merged_lora(train.lora, args.lora_alpha / args.lora):
-            merged = train.build(args, task.cfg, task.eos).train_steps[args.center]
+        with merged_lora(lora, args.lora_alpha / args.lora):
+            merged = run.build(train, args, task.cfg, task.eos).train_steps[args.center]
             timed("train step, LoRA merged", lambda: train_step(batch, merged))
     # the train step's cost against the record's length M (rollouts.generate cuts a record after
     # its longest completion, rounded up to 32): the same rows at each M a multiple of 32
@@ -99,7 +101,7 @@ def main(argv, train):
     cut = {k: x if k in ("prompt", "pos", "adv") else x[:, :32] for k, x in batch.items()}
     timed("train step, M 32, a prompt a row", lambda: train_step(cut, alone))
     test = [p for p, _ in task.test]
-    held_out = rows * math.ceil(min(len(test), 512) / rows)  # as train.run's evaluation
+    held_out = rows * math.ceil(min(len(test), 512) / rows)  # as lab/run.py's evaluation
     calls = iter(range(100))  # a new key each call: fn.greedy remembers its inputs
     greedy = partial(rollouts.generate, fn.greedy, w_q, test, task.pad)
     timed("evaluation", lambda: greedy(jax.random.fold_in(key, next(calls)), data, held_out))

@@ -15,7 +15,7 @@ import pytest
 import qwen3
 import train
 from helpers import spy_loss, write_gsm8k, write_tiny_checkpoint
-from lab import hf_checkpoint
+from lab import grouped, hf_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +46,7 @@ def sequence_compare(tmp_path_factory):
     of each train step it traced, and how many times the greedy sampler really ran."""
     flags = "--task sequence --compare --steps 8 --eval-every 4 --lr 0.4 --eval-n 128 --probe-n 8"
     out = tmp_path_factory.mktemp("compare")
-    greedy_calls, make = [], train.make_sampler
+    greedy_calls, make = [], grouped.make_sampler
 
     def counted(*a, greedy=False, **k):  # the greedy sampler's real calls (not remembered ones)
         sample = make(*a, greedy=greedy, **k)
@@ -54,7 +54,7 @@ def sequence_compare(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(io.StringIO()) as printed:
         seen = spy_loss(m)
-        m.setattr(train, "make_sampler", counted)
+        m.setattr(grouped, "make_sampler", counted)
         summary = train.main([*flags.split(), "--seeds", "0,1", "--out", str(out)])
     lines = printed.getvalue().splitlines()
     found = dict(flags=flags.split(), out=out, summary=summary, lines=lines, seen=seen)

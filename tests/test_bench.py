@@ -1,6 +1,12 @@
 """bench.py: the timing rounds, the sampler and train-step figures on faked timings, the bytes a
-decode step reads and the FLOPs of a train step counted by hand, and bad flags."""
+decode step reads and the FLOPs of a train step counted by hand, and bad flags; lab/accelerator.sh,
+which runs it on a GPU, run whole at toy size."""
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 from functools import partial
 from types import SimpleNamespace
 
@@ -11,6 +17,8 @@ import pytest
 
 import qwen3_5
 from lab import bench, tasks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project's folder
 
 
 def test_bench_rounds_alternate_after_compiling_and_warming_up():
@@ -180,3 +188,33 @@ def test_bench_refuses_a_bad_flag_in_one_line(argv, capsys):
         bench.parse_args(argv)
     error = capsys.readouterr().err.splitlines()[-1]
     assert "error: " in error and argv[0] in error
+
+
+def test_the_accelerator_script_runs_at_toy_size(gsm, tmp_path):
+    """lab/accelerator.sh, the prepared first run on a GPU, end to end on the CPU with
+    ACCELERATOR_TOY: the tiny checkpoint in place of both models, every part shrunk. Each bench
+    writes its tables, the comparison trains both arms on --task arithmetic at fp8 + fp8 KV and
+    prints the verdict: a step that no longer runs fails here, not after a GPU's minutes."""
+    out = tmp_path / "out"
+    env = dict(os.environ, ACCELERATOR_TOY=gsm[0], JAX_PLATFORMS="cpu")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # this python
+    env["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir  # the benches share
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    done = subprocess.run(
+        ["bash", "lab/accelerator.sh", str(out)], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    for name in ("smollm2", "qwen3-0.6b"):
+        bench_json = json.load(open(out / f"bench-{name}.json"))
+        assert [r["sampler"] for r in bench_json["sampler"]] == ["bf16", "bf16", "int8"]
+        assert {r["train"] for r in bench_json["train"]} == {"uncentred", "centred"}
+    run = json.load(open(out / "compare" / "run.json"))
+    assert (run["task"], run["sampler"], run["kv_quant"], run["lr"]) == (
+        "arithmetic",
+        "fp8",
+        "fp8",
+        0.01,
+    )
+    summary = json.load(open(out / "compare" / "summary.json"))
+    assert "verdict: " in open(out / "compare.txt").read() and summary["verdict"]
+    assert os.path.exists(out / "compare.png") == bool(importlib.util.find_spec("matplotlib"))

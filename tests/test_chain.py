@@ -129,7 +129,7 @@ def test_each_sweep_level_runs_with_its_own_sampler_noise_and_kv_cache(tmp_path)
     args = harness.parse_args(argv.split() + ["--out", str(tmp_path)])
     seen = []
 
-    def run(level_args, task, fn, center, seed, out, prefix=""):  # train.run's signature
+    def run(level_args, task, fn, center, seed, out, prefix=""):  # lab.run.run's signature
         seen.append((level_args.sampler, level_args.weight_noise, level_args.kv_quant, out))
         steps = {"0": 0.4, "1": 0.5, "2": 0.5}
         drift = {"0": 0.0, "1": 0.1, "2": 0.2}

@@ -20,9 +20,9 @@ import pytest
 from jax.sharding import Mesh
 
 import qwen3
-import train
 from helpers import arange_pos, write_tiny_checkpoint
 from lab import hf_checkpoint
+from lab.devices import shardings
 
 
 # --------------------------------------------------------------------------------------------------
@@ -63,14 +63,14 @@ def test_sharded_checkpoint_loads_each_tensor_straight_into_its_shards(tmp_path,
         return real(shape, sharding, lambda i: reads.append((shape, (x := read(i)).shape)) or x)
 
     monkeypatch.setattr(jax, "make_array_from_callback", spy)
-    placed = hf_checkpoint.load(path, place=lambda shapes: train.shardings(shapes, mesh)).weights
+    placed = hf_checkpoint.load(path, place=lambda shapes: shardings(shapes, mesh)).weights
     monkeypatch.setattr(jax, "make_array_from_callback", real)
     plain = hf_checkpoint.load(path).weights
     split = 0
     for x, y, s in zip(
         jax.tree.leaves(placed),
         jax.tree.leaves(plain),
-        jax.tree.leaves(train.shardings(plain, mesh)),
+        jax.tree.leaves(shardings(plain, mesh)),
         strict=True,
     ):
         assert x.sharding == s and x.dtype == jnp.float32

@@ -13,7 +13,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import train
 from helpers import STOP, _prompts
-from lab import measure, tasks
+from lab import grouped, measure, tasks
+from lab.train_step import make_train_step
 
 
 def test_the_drift_measures_gradients_are_the_train_steps(tiny):
@@ -22,14 +23,14 @@ def test_the_drift_measures_gradients_are_the_train_steps(tiny):
     micro-batch), uncentred and centred, on the full log q of the sampler's own rollouts."""
     prompt, pos = _prompts(tiny.tokenizer, 8)
     w_q = train.sampler_weights(tiny.weights, "int8")
-    sampler = train.make_sampler(tiny.cfg, 10, 0, STOP, dict(mm=train.quant_mm("int8")))
+    sampler = grouped.make_sampler(tiny.cfg, 10, 0, STOP, dict(mm=train.quant_mm("int8")))
     out = sampler(w_q, prompt, pos, jax.random.PRNGKey(3))
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 8))
     n_tokens = float(out["mask"].sum())
     g_u, g_c, kl_sum = measure.gradients(train, tiny.cfg, tiny.weights, batch, rows=2)
     mesh, opt = Mesh(np.array(jax.devices()[:1]), ("data",)), optax.sgd(1.0)
     for center, g in ((False, g_u), (True, g_c)):
-        step = train.make_train_step(tiny.cfg, opt, 8, mesh, center=center)
+        step = make_train_step(tiny.cfg, opt, 8, mesh, center=center)
         w = jax.tree.map(jnp.copy, tiny.weights)
         new = step(w, opt.init(w), batch)[0]
         old, new = jax.tree.leaves(tiny.weights), jax.tree.leaves(new)
@@ -38,17 +39,18 @@ def test_the_drift_measures_gradients_are_the_train_steps(tiny):
         # (|g| <= 0.13); atol 5x
         np.testing.assert_allclose(g / n_tokens, ref, atol=1e-6)
     assert float(jnp.linalg.norm(g_u - g_c)) > 1e-3 * float(jnp.linalg.norm(g_c))  # a drift term
-    logp = train.token_logp(tiny.cfg, tiny.weights, batch)  # the trainer's log p, its own pass
+    logp = grouped.token_logp(tiny.cfg, tiny.weights, batch)  # the trainer's log p, its own pass
     kl = jnp.where(out["mask"], out["logq"] - logp, 0).sum()
     np.testing.assert_allclose(kl_sum, kl, atol=1e-4 * n_tokens)  # the token sum of log q − log p
 
 
-def recording(records):
-    """train.py, but each call of a sampler it makes appends {its prompt, pos and record} to
-    records: what a measure sampled, to recompute its numbers from."""
+def recording(records, monkeypatch):
+    """train.py, with lab/grouped.py's sampler (the one the measures take) patched so that each call
+    of a sampler appends {its prompt, pos and record} to records: what a measure sampled."""
+    real = grouped.make_sampler
 
     def make_sampler(*args, **kwargs):
-        sampler = train.make_sampler(*args, **kwargs)
+        sampler = real(*args, **kwargs)
 
         def sample(w, prompt, pos, key):
             out = sampler(w, prompt, pos, key)
@@ -57,7 +59,8 @@ def recording(records):
 
         return sample
 
-    return types.SimpleNamespace(**(vars(train) | dict(make_sampler=make_sampler)))
+    monkeypatch.setattr(grouped, "make_sampler", make_sampler)
+    return train
 
 
 def even_first(tokens, mask, golds):  # a reward: 1 when a completion's first token is even
@@ -77,13 +80,13 @@ def tiny_measure(tiny, rows=8):
     return task, types.SimpleNamespace(**flags)
 
 
-def test_mismatch_is_the_token_mean_of_log_q_minus_log_p(tiny):
+def test_mismatch_is_the_token_mean_of_log_q_minus_log_p(tiny, monkeypatch):
     task, args = tiny_measure(tiny)
     records = []
-    r = measure.mismatch(recording(records), args, task, ("int8", 0.0, None), seed=0)
+    r = measure.mismatch(recording(records, monkeypatch), args, task, ("int8", 0.0, None), seed=0)
     (rec,) = records
     mask = rec["mask"]
-    logp = np.asarray(train.token_logp(tiny.cfg, tiny.weights, rec))
+    logp = np.asarray(grouped.token_logp(tiny.cfg, tiny.weights, rec))
     diff = (rec["logq"] - logp)[mask]  # on q's own samples
     assert r["tokens"] == mask.sum() > 20 and r["rows"] == 8
     assert abs(r["kl_q_p"] - diff.mean()) < 1e-5 < abs(diff.mean()) / 10  # its sign included
@@ -92,11 +95,11 @@ def test_mismatch_is_the_token_mean_of_log_q_minus_log_p(tiny):
     assert abs(r["head_mass"] - head.mean()) < 1e-5 and 0.4 < r["head_mass"] < 1
 
 
-def test_drift_is_the_drift_terms_norm_over_the_centred_gradients(tiny):
+def test_drift_is_the_drift_terms_norm_over_the_centred_gradients(tiny, monkeypatch):
     # 2 prompts x 4 rollouts from a sampler with 5% weight noise; the group baseline by hand
     task, args = tiny_measure(tiny)
     records = []
-    r = measure.drift(recording(records), args, task, ("bf16", 0.05, None), seed=0)
+    r = measure.drift(recording(records, monkeypatch), args, task, ("bf16", 0.05, None), seed=0)
     (rec,) = records
     rewards = np.array(even_first(rec["tokens"], rec["mask"], None)).reshape(2, 4)
     adv = (rewards - rewards.mean(1, keepdims=True)).ravel()
@@ -108,15 +111,15 @@ def test_drift_is_the_drift_terms_norm_over_the_centred_gradients(tiny):
     assert abs(r["cos"] - float(g_u @ g_c) / (norm_u * norm_c)) < 1e-4
     assert r["reward"] == rewards.mean() and r["mixed_groups"] == (rewards.std(1) > 0).sum() > 0
     mask = rec["mask"]
-    logp = np.asarray(train.token_logp(tiny.cfg, tiny.weights, rec))
+    logp = np.asarray(grouped.token_logp(tiny.cfg, tiny.weights, rec))
     kl_q_p = (rec["logq"] - logp)[mask].mean()
     assert r["tokens"] == mask.sum() and abs(r["kl_q_p"] - kl_q_p) < 1e-5 < abs(kl_q_p) / 10
 
 
-def test_accuracy_is_the_share_rewarded_and_ended_the_share_with_an_eos(tiny):
+def test_accuracy_is_the_share_rewarded_and_ended_the_share_with_an_eos(tiny, monkeypatch):
     task, args = tiny_measure(tiny)
     records = []
-    r = measure.accuracy(recording(records), args, task, ("bf16", 0.0, None), seed=0)
+    r = measure.accuracy(recording(records, monkeypatch), args, task, ("bf16", 0.0, None), seed=0)
     (rec,) = records
     rows = zip(rec["tokens"], rec["mask"], strict=True)
     ended = [any(t in STOP for t in row[m]) for row, m in rows]  # an eos among its tokens

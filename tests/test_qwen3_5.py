@@ -1,9 +1,9 @@
 """qwen3_5.py and its checkpoints: logits against transformers' Qwen3.5 in both layouts (the text
 model's and the vision-language wrapper's), greedy generation against transformers', the recurrent
 decode against the chunked forward, left padding against each prompt alone, the state's precision,
-the mm hook, gradients through padding and against the recurrence's; save() read back by
-transformers; the config checks, on Qwen3.5-0.8B's config.json and on what they refuse. B batch
-rows, T query length, V vocab."""
+the mm hook, gradients through padding and against the recurrence's; the runs' memory-saving solve
+(lab/solve.py) against the plain one; save() read back by transformers; the config checks, on
+Qwen3.5-0.8B's config.json and on what they refuse. B batch rows, T query length, V vocab."""
 
 import json
 from functools import partial
@@ -16,7 +16,7 @@ import pytest
 
 import qwen3_5
 from helpers import QWEN3_5_LAYERS, arange_pos, write_tiny_qwen3_5
-from lab import hf_checkpoint, models
+from lab import hf_checkpoint, models, solve
 
 # measured on 6 tiny checkpoints x 3 inputs (logits |z| <= 15; 1 and 2 threads, the suite's and
 # XLA's default flags): ours and transformers' float32 logits <= 9.3e-5 apart (T = 70, two chunks
@@ -230,26 +230,68 @@ def test_gradients_finite_through_padding(tiny):
         assert np.abs(np.asarray(grads[name][0])).max() > 0, name
 
 
-def test_unit_lower_solves_gradient_is_a_general_solves():
-    """unit_lower_solve's hand-written backward pass (the transposed solve) against autodiff of
-    jnp.linalg.solve (LU) of I + A: the gradient of x, and of A below its diagonal (A is taken as
-    strictly lower: its gradient elsewhere is defined 0)."""
+# measured on 8 random chunks of 64 rows (|u| <= 60, gradients <= 216), apart by at most this share
+# of the largest entry: the plain solve's values and LU's 1.3e-6; the memory-saving solve's
+# gradients and autodiff's through the plain one 5e-7, LU's 2.2e-6. On a one-layer model (3
+# inputs): the runs' gradients and the reference's 6.1e-6 of a weight's largest. Tolerances ~10x
+def test_the_memory_saving_solve_is_the_plain_solve():
+    """lab/solve.py's unit_lower_solve, the runs' drop-in for qwen3_5's: the same values, and its
+    backward pass (the transposed solve) the gradient autodiff takes through the plain forward
+    substitution and through jnp.linalg.solve (LU) of I + A, for x and for A below its diagonal
+    (A is taken as strictly lower: its gradient elsewhere is defined 0), keeping far less."""
     kA, kx, kc = jax.random.split(jax.random.key(0), 3)
-    A = jnp.tril(jax.random.normal(kA, (3, 16, 16)) * 0.3, -1)
-    x, cotangent = jax.random.normal(kx, (3, 16, 5)), jax.random.normal(kc, (3, 16, 5))
-    eye = jnp.eye(16)[None]
+    A = jnp.tril(jax.random.normal(kA, (3, 64, 64)) * 0.3, -1)  # a chunk of 64 tokens
+    x, cotangent = jax.random.normal(kx, (3, 64, 5)), jax.random.normal(kc, (3, 64, 5))
+    eye = jnp.eye(64)[None]
 
-    def ours(A, x):
-        return (qwen3_5.unit_lower_solve(A, x) * cotangent).sum()
+    def lu(A, x):
+        return jnp.linalg.solve(eye + A, x)
 
-    def general(A, x):
-        return (jnp.linalg.solve(eye + A, x) * cotangent).sum()
+    u = qwen3_5.unit_lower_solve(A, x)
+    np.testing.assert_array_equal(solve.unit_lower_solve(A, x), u)
+    np.testing.assert_allclose(u, lu(A, x), atol=1e-5 * np.abs(u).max())
 
-    np.testing.assert_allclose(ours(A, x), general(A, x), rtol=1e-5)
-    (dA, dx), (ref_A, ref_x) = (jax.grad(f, (0, 1))(A, x) for f in (ours, general))
-    assert np.abs(ref_x).max() > 1 and np.abs(jnp.tril(ref_A, -1)).max() > 1  # gradients to check
-    np.testing.assert_allclose(dx, ref_x, atol=1e-4)
-    np.testing.assert_allclose(dA, jnp.tril(ref_A, -1), atol=1e-4)
+    def grad(solver):  # of x and of A below its diagonal, and the compiled gradient's memory
+        def loss(A, x):
+            return (solver(A, x) * cotangent).sum()
+
+        compiled = jax.jit(jax.grad(loss, (0, 1))).lower(A, x).compile()
+        dA, dx = compiled(A, x)
+        return jnp.tril(dA, -1), dx, compiled.memory_analysis().temp_size_in_bytes
+
+    *ours, ours_temp = grad(solve.unit_lower_solve)
+    *plain, plain_temp = grad(qwen3_5.unit_lower_solve)
+    dA, dx = jax.grad(lambda A, x: (lu(A, x) * cotangent).sum(), (0, 1))(A, x)
+    for name, a, b, c in zip("Ax", ours, plain, (jnp.tril(dA, -1), dx), strict=True):
+        big = np.abs(b).max()
+        assert big > 10, name  # gradients to check
+        np.testing.assert_allclose(a, b, atol=5e-6 * big, err_msg=name)
+        np.testing.assert_allclose(a, c, atol=2e-5 * big, err_msg=name)
+    # the plain solve's backward pass keeps x after each of the 64 rows: 64 x 3,840 bytes
+    assert ours_temp * 8 < plain_temp
+
+
+def test_the_runs_forward_takes_the_memory_saving_solve(tiny):
+    """lab/models.py's forward for Qwen3.5, the one train.py's runs call: qwen3_5.forward with the
+    memory-saving solve. The same logits, the same gradient to float32 rounding, less memory."""
+    cfg = dict(tiny.cfg, layer_types=["linear_attention"])  # one layer: a cheaper compile
+    tokens = jax.random.randint(jax.random.key(2), (2, 64), 0, 300)
+    runs = {}
+    for name, forward in [("runs", models.model(cfg).forward), ("reference", qwen3_5.forward)]:
+
+        def loss(w, forward=forward):
+            return jax.nn.log_softmax(forward(cfg, w, tokens, arange_pos(2, 64))[0]).mean()
+
+        compiled = jax.jit(jax.value_and_grad(loss)).lower(tiny.weights).compile()
+        runs[name] = compiled(tiny.weights), compiled.memory_analysis().temp_size_in_bytes
+    (loss_runs, ours), temp_runs = runs["runs"]
+    (loss_ref, ref), temp_ref = runs["reference"]
+    assert loss_runs == loss_ref
+    for name, g in ref["linear"].items():
+        big = np.abs(g).max()
+        assert big > 1e-3, name
+        np.testing.assert_allclose(ours["linear"][name], g, atol=1e-4 * big, err_msg=name)
+    assert temp_runs < 0.75 * temp_ref  # measured: 2.3 MB against 5.3
 
 
 def test_chunked_delta_rules_gradient_is_the_recurrences():
@@ -432,3 +474,62 @@ def test_other_qwen3_5_models_are_refused_by_model_type(tmp_path):
     json.dump(dict(cfg, model_type="qwen3_5_moe"), open(f"{path}/config.json", "w"))
     with pytest.raises(ValueError, match="config.json: model_type = 'qwen3_5_moe'"):
         hf_checkpoint.load(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# the state's precision from a prefill, and the order of reading and rounding in the recurrence
+def test_a_prefill_hands_on_its_state_at_the_samplers_precision(tiny, fwd):
+    """With a bfloat16 state the sampler holds it so from the prompt on, not only while decoding:
+    a 40-token prefill (one chunk, whose outputs read the state before any rounding: float32's
+    logits) leaves a bfloat16-valued state in the cache, the float32 prefill's rounded once; the
+    next token decodes from it, as from the float32 prefill's state rounded here by ml_dtypes."""
+    prompt = jax.random.randint(jax.random.key(5), (2, 41), 0, 300)
+    pos = arange_pos(2, 41)
+    bf16 = dict(state_dtype=jnp.bfloat16)
+    empty = qwen3_5.init_kv(tiny.cfg, 2, S)
+    logits_f32, kv_f32 = fwd(tiny.weights, prompt[:, :40], pos[:, :40], empty, 0)
+    logits_bf16, kv_bf16 = fwd(tiny.weights, prompt[:, :40], pos[:, :40], empty, 0, **bf16)
+    np.testing.assert_allclose(logits_bf16, logits_f32, atol=1e-5)
+    state, exact = np.asarray(kv_bf16["state"]), np.asarray(kv_f32["state"])
+    rounded = exact.astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(state, state.astype(ml_dtypes.bfloat16).astype(np.float32))
+    np.testing.assert_allclose(state, rounded, rtol=2**-8)  # within a bfloat16 step
+    assert np.abs(state - exact).max() > 1e-4  # rounded, not float32's
+
+    # the next token, decoded from each cache
+    token = prompt[:, 40:], pos[:, 40:]
+    ours, _ = fwd(tiny.weights, *token, kv_bf16, 40, **bf16)
+    by_hand, _ = fwd(tiny.weights, *token, dict(kv_f32, state=jnp.asarray(rounded)), 40, **bf16)
+    unrounded, _ = fwd(tiny.weights, *token, kv_f32, 40, **bf16)
+    np.testing.assert_allclose(ours, by_hand, atol=1e-5)
+    assert np.abs(np.asarray(unrounded - by_hand)).max() > 1e-4  # the rounding reaches the logits
+
+
+def test_a_decoded_tokens_output_reads_the_state_before_it_is_rounded():
+    """One token of the recurrence with a bfloat16 state, against float64 numpy on the same
+    inputs: the output is q read from the updated state in full precision, and only the state
+    handed on is rounded (to within half a bfloat16 step). The order engines use: a fused recurrent
+    kernel (flash-linear-attention's, which vLLM and SGLang run for these layers) updates the
+    state in float32 registers, computes the output from them, and rounds only the copy it stores
+    back in the cache's dtype."""
+    B, U, E, Y = 2, 3, 8, 6
+    rng = np.random.default_rng(6)
+    q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in rng.normal(size=(2, B, U, E)))
+    g = -np.log1p(np.exp(rng.normal(size=(B, U))))  # log decays <= 0
+    beta = 1 / (1 + np.exp(-rng.normal(size=(B, U))))
+    inputs = [np.float32(x) for x in (q, k, rng.normal(size=(B, U, Y)), g, beta)]
+    M = np.float32(rng.normal(size=(B, U, E, Y)))
+    o, new = qwen3_5.recurrent_delta_rule(*map(jnp.asarray, inputs), jnp.asarray(M), jnp.bfloat16)
+
+    # float64: decay, write, read
+    q, k, v, g, beta = (np.float64(x) for x in inputs)
+    M = np.float64(M) * np.exp(g)[..., None, None]
+    write = (v - np.einsum("bue,buey->buy", k, M)) * beta[..., None]
+    M = M + np.einsum("bue,buy->buey", k, write)
+    expected = np.einsum("bue,buey->buy", q, M)
+    np.testing.assert_allclose(o, expected, atol=1e-5)
+    M_bf16 = M.astype(ml_dtypes.bfloat16).astype(np.float64)
+    assert np.abs(np.einsum("bue,buey->buy", q, M_bf16) - expected).max() > 1e-3  # if read after
+    new = np.asarray(new)
+    np.testing.assert_array_equal(new, new.astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert (np.abs(new - M) <= 2**-8 * np.abs(M) + 1e-6).all()

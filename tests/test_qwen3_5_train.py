@@ -18,7 +18,7 @@ import pytest
 import qwen3_5
 import train
 from helpers import _prompts, arange_pos, tiny_argv, write_gsm8k, write_tiny_qwen3_5
-from lab import harness, hf_checkpoint, models, plan, tasks
+from lab import grouped, harness, hf_checkpoint, models, plan, run, tasks
 from test_qwen3_5 import ATOL, QWEN3_5_0_8B, reference, torch_logits
 from test_sampler import assert_a_group_prefilled_once_samples_as_each
 from test_train_step import assert_a_group_shares_its_prompts_forward
@@ -105,12 +105,12 @@ def test_a_float32_state_samples_the_trainers_p_and_a_bf16_or_fp16_state_does_no
     state makes q differ from p, by far more than rounding: the largest |log q(y) - log p(y)| over
     64 tokens a row, and (bf16) KL(q || p), which kl_q_p estimates."""
     prompt, pos = _prompts(tiny35.tokenizer, 4)
-    logp_of = jax.jit(lambda b: jax.nn.log_softmax(train.completion_logits(tiny35.cfg, **b)))
+    logp_of = jax.jit(lambda b: jax.nn.log_softmax(grouped.completion_logits(tiny35.cfg, **b)))
     gap, kl = {}, {}
     for state in ("float32", "bf16", "fp16"):
         numerics = dict(dtype=jnp.float32, kv_quant=None)
-        numerics |= dict(state_dtype=train.STATE_DTYPES[state]) if state != "float32" else {}
-        sample = train.make_sampler(tiny35.cfg, 64, 0, (), numerics)  # no eos: 64 tokens a row
+        numerics |= dict(state_dtype=run.STATE_DTYPES[state]) if state != "float32" else {}
+        sample = grouped.make_sampler(tiny35.cfg, 64, 0, (), numerics)  # no eos: 64 tokens a row
         out = sample(tiny35.weights, prompt, pos, jax.random.PRNGKey(0))
         b = dict(w=tiny35.weights, prompt=prompt, pos=pos, tokens=out["tokens"])
         logp = logp_of(b)

@@ -179,3 +179,32 @@ def test_the_preregistered_verdict_by_hand(tmp_path, capsys, uncentred, drift, v
     late = [np.mean(acc[12:]) for acc in uncentred]  # steps 120 to 200
     assert found["diff"][0] == pytest.approx(np.mean(0.7 - np.array(late)), abs=1e-12)
     assert found["drift_ratio"] == pytest.approx(drift)
+
+
+def test_seeds_are_compared_at_the_last_evaluation_every_run_reached(tmp_path, capsys):
+    """Seed 1's uncentred run is ahead (evaluated at step 30, every other run last at 20): each
+    run is read up to step 20, its final accuracy and drift that evaluation's, its kl_q_p from
+    no update after it: the rows past 20 wait for the other runs."""
+    run = dict(task="arithmetic", model="m", sampler="fp8", kv_quant=None)
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    reached = {("uncentered", 0): 20, ("centered", 0): 20, ("uncentered", 1): 30}
+    reached[("centered", 1)] = 20
+    for (arm, seed), end in reached.items():
+        rows = []
+        for step in range(end + 1):  # an update a step (none after the last evaluation)
+            row = dict(step=step)
+            if step < end:
+                row |= dict(loss=0.0, kl_q_p=step / 1000, logprob_gap=step / 100)
+            if step % 10 == 0:  # accuracy 0, 0.1, 0.2 (0.3); drift 0, 1, 2 (3)
+                row |= dict(acc=step / 100, drift=step / 10)
+            rows.append(json.dumps(row) + "\n")
+        (tmp_path / f"{arm}_seed{seed}").mkdir()
+        (tmp_path / f"{arm}_seed{seed}" / "metrics.jsonl").write_text("".join(rows))
+    found = report.report(str(tmp_path))
+    assert found["step"] == 20 and "2 seeds, step 20" in capsys.readouterr().out
+    for arms in found["runs"].values():
+        for r in arms.values():
+            assert r["eval_acc"] == {0: 0.0, 10: 0.1, 20: 0.2} and r["step"] == 20
+            assert (r["final_acc"], r["peak_acc"], r["final_drift"]) == (0.2, 0.2, 2.0)
+            # no update past step 20: a mean of 0.0095 (steps 0 to 19) or 0.01 (0 to 20), not 0.0145
+            assert r["mean_kl_q_p"] <= np.mean(np.arange(21) / 1000) + 1e-12

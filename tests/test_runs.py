@@ -21,6 +21,7 @@ import score_centering as sc
 import train
 from helpers import _strict_json, _strip, spy_loss, tiny_argv, write_gsm8k
 from lab import compare, harness, hf_checkpoint, rollouts, tasks
+from lab import run as lab_run
 
 # the project root, where train.py is (run as a script by the Ctrl-C test)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -334,9 +335,9 @@ def test_a_start_that_fails_leaves_out_as_it_was_and_the_corrected_command_runs(
             train.main(tiny_argv(gsm, "--out", out))
     assert not os.path.exists(out)
     train.main(tiny_argv(gsm, "--out", out))
-    assert sorted(os.listdir(out)) == ["metrics.jsonl", "run.json", "summary.json"]
+    assert sorted(os.listdir(out)) == ["evals.jsonl", "metrics.jsonl", "run.json", "summary.json"]
 
-    real, centers = train.run, []
+    real, centers = lab_run.run, []
 
     def first_fails(args, task, fn, center, *rest):
         centers.append(center)
@@ -345,7 +346,7 @@ def test_a_start_that_fails_leaves_out_as_it_was_and_the_corrected_command_runs(
         return real(args, task, fn, center, *rest)
 
     with monkeypatch.context() as m:
-        m.setattr(train, "run", first_fails)
+        m.setattr(lab_run, "run", first_fails)
         with pytest.raises(Failed):
             train.main(tiny_argv(gsm, "--compare", "--out", cmp))
     assert not os.path.exists(cmp) and centers == [False]
@@ -380,7 +381,7 @@ def test_compare_runs_each_seed_as_that_seed_alone():
     hist = dict(last=1, acc={"0": 0.5, "1": 0.5}, drift={"0": 0.0, "1": 0.1}, kl_q_p=[0.01])
     seen = []
 
-    def run(args, task, fn, center, seed, out, prefix=""):  # train.run's signature
+    def run(args, task, fn, center, seed, out, prefix=""):  # lab.run.run's signature
         seen.append((seed, center, task.weights))
         return harness.finish(None, hist | dict(reward=[0.5]))
 

@@ -14,25 +14,26 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import qwen3
 import train
 from helpers import STOP, _prompts, write_tiny_checkpoint
-from lab import hf_checkpoint, rollouts
+from lab import grouped, hf_checkpoint, rollouts
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_zero_mismatch_sampler_logq_equals_trainer_logp(tiny, monkeypatch, temperature):
+@pytest.mark.parametrize("where", [train, grouped])  # the reference, and the runs' drop-ins
+def test_zero_mismatch_sampler_logq_equals_trainer_logp(tiny, monkeypatch, temperature, where):
     """--sampler float32 (its weights, matmuls and dtype) without noise: recorded log q == the
     train step's log p == one plain pass."""
     # read at trace time by sampler and trainer
-    monkeypatch.setattr(train, "TEMPERATURE", temperature)
+    monkeypatch.setattr(where, "TEMPERATURE", temperature)
     prompt, pos = _prompts(tiny.tokenizer, 6)
     numerics = dict(mm=train.quant_mm("float32"), dtype=train.SAMPLER_DTYPES["float32"])
-    sample = train.make_sampler(tiny.cfg, 24, 8, STOP, numerics)
+    sample = where.make_sampler(tiny.cfg, 24, 8, STOP, numerics)
     out = sample(train.sampler_weights(tiny.weights, "float32"), prompt, pos, jax.random.PRNGKey(0))
     lengths = np.asarray(out["mask"]).sum(1)
     # stops at different steps
     assert len(set(lengths.tolist())) > 2 and lengths.min() < 24, lengths
     assert len(set((pos >= 0).sum(1).tolist())) > 2  # prompts of different lengths
     logp = jax.nn.log_softmax(
-        train.completion_logits(tiny.cfg, tiny.weights, prompt, pos, out["tokens"])
+        where.completion_logits(tiny.cfg, tiny.weights, prompt, pos, out["tokens"])
     )
     logp_y = jnp.take_along_axis(logp, out["tokens"][..., None], -1)[..., 0]
     gap = jnp.where(out["mask"], jnp.abs(logp_y - out["logq"]), 0.0)
@@ -61,14 +62,14 @@ def assert_a_group_prefilled_once_samples_as_each(model, n, M, kind, kv, state=N
     if state:
         numerics["state_dtype"] = state
     w = train.sampler_weights(model.weights, kind)
-    one, grouped = (
-        train.make_sampler(model.cfg, M, 8, STOP, numerics, group=g)(
+    one, shared = (
+        grouped.make_sampler(model.cfg, M, 8, STOP, numerics, group=g)(
             w, prompt, pos, jax.random.PRNGKey(1)
         )
         for g in (1, 4)
     )
     for name in one:
-        np.testing.assert_allclose(grouped[name], one[name], atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(shared[name], one[name], atol=1e-5, err_msg=name)
     tokens = np.asarray(one["tokens"]).reshape(n, 4, -1)
     assert all(len({tuple(r) for r in copies}) > 1 for copies in tokens)  # rows of their own
 
@@ -83,7 +84,7 @@ def test_a_group_of_copies_prefilled_once_samples_as_rows_prefilled_each(tiny):
 def test_mask_ends_at_the_first_eos(tiny):
     """The mask holds the completion up to and including its first EOS token, nothing after it."""
     prompt, pos = _prompts(tiny.tokenizer, 8)
-    out = train.make_sampler(tiny.cfg, 20, 4, STOP)(
+    out = grouped.make_sampler(tiny.cfg, 20, 4, STOP)(
         train.sampler_weights(tiny.weights, "bf16"), prompt, pos, jax.random.PRNGKey(3)
     )
     tokens, mask = np.asarray(out["tokens"]), np.asarray(out["mask"])
@@ -156,10 +157,10 @@ def test_kv_quantisation_error_is_bounded_and_compounds(tiny):
     prompt, pos = _prompts(tiny.tokenizer, 4)
     gaps = []
     for kind in ("int8", "fp8"):  # a float32 sampler whose only mismatch is the quantised cache
-        out = train.make_sampler(
+        out = grouped.make_sampler(
             tiny.cfg, 12, 4, (), dict(dtype=jnp.float32, kv_quant=train.kv_quant(kind))
         )(tiny.weights, prompt, pos, jax.random.PRNGKey(0))
-        logp = train.token_logp(tiny.cfg, tiny.weights, dict(out, prompt=prompt, pos=pos))
+        logp = grouped.token_logp(tiny.cfg, tiny.weights, dict(out, prompt=prompt, pos=pos))
         gaps.append(float(jnp.abs(logp - out["logq"]).mean()))
     assert all(1e-5 < g < 0.5 for g in gaps), gaps
 
@@ -248,13 +249,13 @@ def test_fake_quantisation_error_is_bounded():
 
 def test_drift_meter_is_zero_at_the_start_and_the_definition_after(tiny):
     prompt, pos = _prompts(tiny.tokenizer, 6)
-    out = train.make_sampler(tiny.cfg, 10, 1, STOP)(
+    out = grouped.make_sampler(tiny.cfg, 10, 1, STOP)(
         train.sampler_weights(tiny.weights, "bf16"), prompt, pos, jax.random.PRNGKey(0)
     )
     probe = dict(
         prompt=prompt, pos=pos, tokens=np.asarray(out["tokens"]), mask=np.asarray(out["mask"])
     )
-    logp = jax.jit(partial(train.token_logp, tiny.cfg))
+    logp = jax.jit(partial(grouped.token_logp, tiny.cfg))
     data = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
     # 6 rows over 4 devices: 4, then 2 + 2 copies
     meter = rollouts.drift_meter(logp, probe, tiny.weights, 4, data)

@@ -1,6 +1,7 @@
 """tasks.py: GSM8K's reward and files (the real ones when they are beside the project), the
 sequence task's reward against numpy, and greedy evaluation."""
 
+import collections
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import pytest
 import qwen3
 import train
 from helpers import write_gsm8k
-from lab import harness, problems, rollouts, tasks
+from lab import harness, problems, rollouts, run, tasks
 
 # the project root: GSM8K's files, when present, are in ../shared/gsm8k beside it
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,7 +125,7 @@ def test_evaluation_is_greedy_the_same_under_two_keys():
     argv = "--task sequence --steps 1 --eval-n 16 --probe-n 8 --prompts 2 --group 4".split()
     args = harness.parse_args(argv + ["--max-tokens", "6"])
     task = tasks.sequence_task(0, 16, 8)
-    fn = train.build(args, task.cfg, task.eos)
+    fn = run.build(train, args, task.cfg, task.eos)
     prompt, pos = rollouts.left_pad([p for p, _ in task.test], 0)
     outs = [
         fn.greedy(train.sampler_weights(task.weights, "bf16"), prompt, pos, jax.random.PRNGKey(k))
@@ -149,8 +150,9 @@ def _sum_of(question):  # the arithmetic a question asks for, read from its word
 
 def test_arithmetic_problems_are_distinct_their_answers_right_and_held_out_sums_unseen(tmp_path):
     """2,000+ distinct training problems and 400 held out; each gold is the question's arithmetic
-    read from its words; no held-out sum (3 + 4 and 4 + 3 are one) in any training wording; the
-    files `python -m lab.problems` writes read back as GSM8K's, the same problems."""
+    read from its words; no held-out sum (3 + 4 and 4 + 3 are one; 9 - 3 its own) in any training
+    wording, and sums of every operation held out; the files `python -m lab.problems` writes read
+    back as GSM8K's, the same problems."""
     train_set, test_set = problems.arithmetic()
     assert len(set(train_set)) == len(train_set) >= 2000 and len(set(test_set)) == 400
     sums = {}
@@ -159,6 +161,21 @@ def test_arithmetic_problems_are_distinct_their_answers_right_and_held_out_sums_
         for question, gold in split:
             assert gold == str(_sum_of(question)[3]), question
     assert not sums["train"] & sums["test"] and len(sums["test"]) >= 40
+    assert {op for op, *_ in sums["test"]} == {"+", "-", "x"}  # each operation held out
     assert problems.arithmetic() == (train_set, test_set) != problems.arithmetic(seed=1)
     folder = problems.write(str(tmp_path / "arithmetic"))
     assert problems.gsm8k(folder) == (train_set, test_set)
+
+
+def test_arithmetic_terms_and_answers_are_in_the_documented_ranges(monkeypatch):
+    """Every problem, training and held out (none cut at N_TEST), read from its words: the sums of
+    two terms from 1 to 12, the differences whose subtracted term and answer are from 1 to 12
+    (a sum taken apart), the times tables from 2 to 12, each in ten wordings, and nothing else."""
+    monkeypatch.setattr(problems, "N_TEST", 10**6)
+    train_set, test_set = problems.arithmetic()
+    found = collections.Counter(_sum_of(question) for question, _ in train_set + test_set)
+    terms, tables = range(1, 13), range(2, 13)
+    add = [("+", min(a, b), max(a, b), a + b) for a in terms for b in terms]
+    subtract = [("-", a + b, b, a) for a in terms for b in terms]
+    multiply = [("x", min(a, b), max(a, b), a * b) for a in tables for b in tables]
+    assert found == collections.Counter(10 * (add + subtract + multiply))

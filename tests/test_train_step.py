@@ -22,7 +22,10 @@ import qwen3
 import score_centering as sc
 import train
 from helpers import LLAMA, STOP, _prompts, _strip, arange_pos, write_tiny_checkpoint
-from lab import devices, harness, hf_checkpoint, lora, plan, rollouts, tasks
+from lab import devices, grouped, harness, hf_checkpoint, lora, plan, rollouts, run, tasks
+from lab import train_step as lab_step
+from lab.devices import shardings
+from lab.train_step import make_train_step
 
 # the project root, where train.py is (run as a script by the multi-process tests)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,11 +41,11 @@ def test_one_device_and_four_devices_give_the_same_step(tiny, use_lora, monkeypa
     by <= 3.1e-7; atol 10x that, rounded up."""
     assert jax.device_count() == 4
     prompt, pos = _prompts(tiny.tokenizer, 16)
-    out = train.make_sampler(tiny.cfg, 8, 8, STOP)(
+    out = grouped.make_sampler(tiny.cfg, 8, 8, STOP)(
         train.sampler_weights(tiny.weights, "int8"), prompt, pos, jax.random.PRNGKey(0)
     )
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 16))
-    fsdp, res = train.shardings, {}
+    fsdp, res = shardings, {}
     for layout, chips in [
         ("one", jax.devices()[:1]),
         ("replicated", jax.devices()),
@@ -51,19 +54,18 @@ def test_one_device_and_four_devices_give_the_same_step(tiny, use_lora, monkeypa
         mesh, opt = Mesh(np.array(chips), ("data",)), optax.sgd(0.1, momentum=0.9)
         replicated = NamedSharding(mesh, PartitionSpec())
         monkeypatch.setattr(
-            train,
+            lab_step,
             "shardings",
             (lambda t, m: NamedSharding(m, PartitionSpec())) if layout == "replicated" else fsdp,
         )
-        w = jax.tree.map(
-            jnp.copy, jax.device_put(tiny.weights, train.shardings(tiny.weights, mesh))
-        )
+        place = lab_step.shardings
+        w = jax.tree.map(jnp.copy, jax.device_put(tiny.weights, place(tiny.weights, mesh)))
         # LoRA: they train, w is the frozen base
         adapters = lora.init(w, 4, jax.random.PRNGKey(1), train.INPUT_AXES)
         params = jax.device_put(adapters, replicated) if use_lora else w
         state = opt.init(params)
-        state = jax.device_put(state, replicated if use_lora else train.shardings(state, mesh))
-        step = train.make_train_step(
+        state = jax.device_put(state, replicated if use_lora else place(state, mesh))
+        step = make_train_step(
             tiny.cfg, opt, 8, mesh, True, sc.tis(2.0), lora_scale=use_lora and 2.0
         )
         placed, metrics = [x.sharding for x in jax.tree.leaves((params, state))], []
@@ -279,7 +281,7 @@ def test_micro_batches_give_the_full_batch_token_mean(tiny):
     """Gradient accumulation over micro-batches of sequences of unequal lengths == one batch: the
     same weights, and the same metrics, each a token mean over the batch."""
     prompt, pos = _prompts(tiny.tokenizer, 8)
-    out = train.make_sampler(tiny.cfg, 10, 4, STOP)(
+    out = grouped.make_sampler(tiny.cfg, 10, 4, STOP)(
         train.sampler_weights(tiny.weights, "bf16"), prompt, pos, jax.random.PRNGKey(1)
     )
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 8))
@@ -288,7 +290,7 @@ def test_micro_batches_give_the_full_batch_token_mean(tiny):
     assert len(set((tokens[:4] + tokens[4:]).tolist())) > 2, tokens
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     res = [
-        train.make_train_step(tiny.cfg, optax.sgd(1.0), mb, mesh, center=True)(
+        make_train_step(tiny.cfg, optax.sgd(1.0), mb, mesh, center=True)(
             jax.tree.map(jnp.copy, tiny.weights), optax.sgd(1.0).init(tiny.weights), batch
         )
         for mb in (8, 2)
@@ -311,7 +313,7 @@ def test_masked_tokens_past_the_longest_completion_change_no_step(tiny):
     """A record with 22 more tokens a row, masked, holding random tokens and log q: the same step as
     the record alone (what lets rollouts.generate cut a record after its longest completion)."""
     prompt, pos = _prompts(tiny.tokenizer, 8)
-    out = train.make_sampler(tiny.cfg, 10, 4, STOP)(
+    out = grouped.make_sampler(tiny.cfg, 10, 4, STOP)(
         train.sampler_weights(tiny.weights, "bf16"), prompt, pos, jax.random.PRNGKey(1)
     )
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 8))
@@ -326,7 +328,7 @@ def test_masked_tokens_past_the_longest_completion_change_no_step(tiny):
     longer["mask"] = jnp.concatenate([batch["mask"], jnp.zeros((8, 22), bool)], 1)
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     res = [
-        train.make_train_step(tiny.cfg, optax.sgd(1.0), 4, mesh, center=True)(
+        make_train_step(tiny.cfg, optax.sgd(1.0), 4, mesh, center=True)(
             jax.tree.map(jnp.copy, tiny.weights), optax.sgd(1.0).init(tiny.weights), b
         )
         for b in (batch, longer)
@@ -361,15 +363,15 @@ def test_lora_starts_at_the_base_and_its_gradient_is_the_chain_rule(tiny, b_scal
         for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(tiny.weights), strict=True)
     )
     prompt, pos = _prompts(tiny.tokenizer, 8)
-    out = train.make_sampler(tiny.cfg, 8, 4, STOP)(
+    out = grouped.make_sampler(tiny.cfg, 8, 4, STOP)(
         train.sampler_weights(merged, "int8"), prompt, pos, jax.random.PRNGKey(0)
     )
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 8))
     opt = optax.sgd(1.0)  # the update is minus the gradient
-    new, _, _ = train.make_train_step(tiny.cfg, opt, 8, mesh, center=True, lora_scale=2.0)(
+    new, _, _ = make_train_step(tiny.cfg, opt, 8, mesh, center=True, lora_scale=2.0)(
         jax.tree.map(jnp.copy, adapters), opt.init(adapters), batch, tiny.weights
     )
-    full, _, _ = train.make_train_step(tiny.cfg, opt, 8, mesh, center=True)(
+    full, _, _ = make_train_step(tiny.cfg, opt, 8, mesh, center=True)(
         jax.tree.map(jnp.copy, merged), opt.init(merged), batch
     )
     new = new["layers"]  # qwen3's one stack of layers
@@ -501,7 +503,7 @@ def uncentred_step(correction):
     base = "--task sequence --prompts 2 --group 4 --max-tokens 6".split()
     args = harness.parse_args(base + ([] if correction is None else ["--correction", correction]))
     task = tasks.sequence_task(0, 8, 8)
-    fn = train.build(args, task.cfg, task.eos)
+    fn = run.build(train, args, task.cfg, task.eos)
     w_sampler = train.sampler_weights(task.weights, "int8")
     prompts = [task.train[i // 4][0] for i in range(8)]  # 2 prompts, 4 rows each, as a run's
     data = NamedSharding(fn.mesh, PartitionSpec("data"))
@@ -564,7 +566,7 @@ def test_ppo_flag_reaches_the_loss_at_each_tokens_sign():
 def test_lora_alpha_flag_scales_the_merge_by_alpha_over_rank():
     args = harness.parse_args("--task sequence --lora 4 --lora-alpha 8".split())
     task = tasks.sequence_task(0, 8, 8)
-    fn = train.build(args, task.cfg, task.eos)
+    fn = run.build(train, args, task.cfg, task.eos)
     params = lora.init(task.weights, 4, jax.random.PRNGKey(0), train.INPUT_AXES)
     for k, ab in params["layers"].items():  # B starts at 0: give it values, so the merge shows
         ab["lora_b"] = jax.random.normal(jax.random.PRNGKey(len(k)), ab["lora_b"].shape)
@@ -589,12 +591,12 @@ def test_lora_train_step_and_sampler_merge_with_the_same_alpha_over_rank():
     flags = "--task sequence --lora 2 --lora-alpha 8 --prompts 2 --group 4 --max-tokens 6"
     args = harness.parse_args(flags.split())
     task = tasks.sequence_task(0, 8, 8)
-    fn = train.build(args, task.cfg, task.eos)
+    fn = run.build(train, args, task.cfg, task.eos)
     params = lora.init(task.weights, 2, jax.random.PRNGKey(0), train.INPUT_AXES)
     for k, ab in params["layers"].items():  # B starts at 0: give it values, so the merge shows
         ab["lora_b"] = 0.1 * jax.random.normal(jax.random.PRNGKey(len(k)), ab["lora_b"].shape)
     merged = fn.policy(params, task.weights)
-    sampler = train.make_sampler(
+    sampler = grouped.make_sampler(
         task.cfg, args.max_tokens, args.topk, task.eos, dict(dtype=jnp.float32, kv_quant=None)
     )
     data = NamedSharding(fn.mesh, PartitionSpec("data"))
@@ -611,24 +613,21 @@ def test_lora_train_step_and_sampler_merge_with_the_same_alpha_over_rank():
 
 def assert_a_group_shares_its_prompts_forward(model, n, M, steps=True):
     """n prompts (n even) of unequal lengths, each 4 times, sampled: the trainer's logits with
-    group=4 (a prompt's forward once, its cache shared by its 4 rows) are one plain pass over each
-    row's prompt and completion; and (steps) a step at group=4 moves the weights as one step of the
-    whole batch at group=1, on 1 device with a group a micro-batch, and on 4 with micro-batches of 8
-    rows (runs of 2 rows on each device)."""
+    group=4 (a prompt's forward once, its cache shared by its 4 rows) are train.py's one plain pass
+    over each row's prompt and completion; and (steps) lab/train_step.py's step, of the whole batch
+    at group=1, at group=4 on 1 device with a group a micro-batch, and on 4 with micro-batches of 8
+    rows (runs of 2 rows on each device), moves the weights as train.py's reference step does."""
     cfg, w = model.cfg, model.weights
     prompt, pos = (np.repeat(x, 4, 0) for x in _prompts(model.tokenizer, n))  # [4n, T0]
-    out = train.make_sampler(cfg, M, 8, STOP, group=4)(
+    out = grouped.make_sampler(cfg, M, 8, STOP, group=4)(
         train.sampler_weights(w, "bf16"), prompt, pos, jax.random.PRNGKey(2)
     )
-    seq = jnp.concatenate([prompt, out["tokens"]], 1)
-    seq_pos = jnp.concatenate([pos, pos[:, -1:] + 1 + np.arange(M)], 1)
 
-    def one_pass(w):
-        with jax.default_matmul_precision("highest"):
-            return train.model(cfg).forward(cfg, w, seq, seq_pos, last=M + 1)[0][:, :-1]
+    def one_pass(w):  # train.py's reference
+        return train.completion_logits(cfg, w, prompt, pos, out["tokens"])
 
     def shared(w):
-        return train.completion_logits(cfg, w, prompt, pos, out["tokens"], group=4)
+        return grouped.completion_logits(cfg, w, prompt, pos, out["tokens"], group=4)
 
     logits = [jax.jit(f)(w) for f in (one_pass, shared)]
     np.testing.assert_allclose(*logits, atol=1e-4)  # |logits| <= 15; apart: <= 5e-6
@@ -636,15 +635,16 @@ def assert_a_group_shares_its_prompts_forward(model, n, M, steps=True):
         return
     batch = dict(out, prompt=prompt, pos=pos, adv=jnp.linspace(-1, 1, 4 * n))
     opt = optax.sgd(1.0)
-    whole, *grouped = (
-        train.make_train_step(cfg, opt, mb, Mesh(jax.devices()[:d], ("data",)), True, group=g)(
+    whole = train.make_train_step(cfg, opt, True)(jax.tree.map(jnp.copy, w), opt.init(w), batch)[0]
+    drop_ins = [  # lab/train_step.py's, as the runs take it
+        make_train_step(cfg, opt, mb, Mesh(jax.devices()[:d], ("data",)), True, group=g)(
             jax.tree.map(jnp.copy, w), opt.init(w), batch
         )[0]
         for mb, g, d in ((4 * n, 1, 1), (4, 4, 1), (8, 4, 4))
-    )
+    ]
     # reduction order alone (micro-batches of 8, 4, 2, 1 rows at group=1) moved the weights
     # (|w| <= 2) by <= 1.8e-6 (Qwen3.5; Qwen3: 1.2e-7); the step moves them by 0.1 to 0.3
-    for step in grouped:
+    for step in drop_ins:
         for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(step), strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5)
 
