@@ -197,7 +197,7 @@ def loss(
     metrics["head_mass_q"], metrics["head_mass_p"] = token_mean(q_mass), token_mean(p_mass)
     metrics["tail_ratio_log"] = token_mean(jnp.log(rho))  # 0 where q̂ = p off the head
     metrics["tail_ratio_max"] = jnp.where(mask, rho, 0.0).max()
-    metrics["tail_ratio_over_2"] = token_mean(rho > 2)  # tails IcePop's [0.5, 5] would drop
+    metrics["tail_ratio_over_2"] = token_mean(rho > 2)  # tail ratio 1/ρ under IcePop's floor 0.5
     # the drift a unit of A brings (step 4, in logits): m̂ − M p, M = Σ_v m̂_v; its size, Σ_v |·|
     M = m_head.sum(-1) + alpha * (1 - p_mass)
     on_head = jnp.abs(m_head - M[..., None] * jnp.exp(sg_logp_head)).sum(-1)

@@ -206,7 +206,7 @@ def grpo(
     optimizer state and the sampler's copy (None: made first). refresh(params) -> the copy;
     sample(w_sampler, step) -> the batch (the sampler's record, prompt, pos) and golds;
     reward(tokens, mask, golds) -> [B]; train_step(params, opt_state, batch) -> (params, opt_state,
-    metrics); evaluate(params) -> drift, held-out score; record(row, params, opt_state, copy) ->
+    metrics); evaluate(params) -> {drift, acc}; record(row, params, opt_state, copy) ->
     whether the run goes on (lab/run.py's logs, saves, stops after an update not finite)."""
     params, opt_state, w_sampler = state
     for step in range(start, steps + 1):

@@ -1,5 +1,6 @@
 """What never changes a number a run computes (skip it on a first read of train.py): the flags and
-their checks, run.json, logs and metrics.jsonl, the resumable state, Ctrl-C, tables."""
+their checks, run.json, logs and metrics.jsonl, the resumable state (read back by run.py), Ctrl-C,
+tables."""
 
 import argparse
 import concurrent.futures
@@ -462,45 +463,6 @@ def save_state(file, hist, *trees):  # float32 leaves (bf16 widened exactly), th
         for i, x in enumerate(jax.tree.leaves(trees))
     }
     atomic(file, lambda f: np.savez(f, hist=np.array(json.dumps(strict(hist))), **leaves), "wb")
-
-
-def resume(out, hist, *trees):  # hist and trees from out's state, if any; rows past it set aside
-    if not out:
-        return hist, trees
-    file = os.path.join(out, "state.npz")
-    if os.path.exists(file):
-        with np.load(file) as z:
-            leaves, tree = jax.tree.flatten(trees)
-            if [z[f"a{i}"].shape for i in range(len(z.files) - 1)] != [x.shape for x in leaves]:
-                raise ValueError(f"{file}: another run's (model, --lora, --optimizer, --staleness)")
-            hist = json.loads(str(z["hist"]))
-            leaves = [
-                jax.device_put(z[f"a{i}"].astype(x.dtype), x.sharding) for i, x in enumerate(leaves)
-            ]
-            trees = tree.unflatten(leaves)  # typed and placed like the templates `trees`
-        print(f"resumed {out} at step {hist['step']}", flush=True)
-    elif os.path.exists(os.path.join(out, "metrics.jsonl")):  # no --save-every, or none saved yet
-        print(f"resumed {out} at step 0: no saved state (state.npz) to continue from", flush=True)
-    for name in ("metrics", "evals"):
-        set_aside(out, name, hist["step"])
-    return hist, trees
-
-
-def set_aside(out, name, step):
-    """Rows of out/NAME.jsonl at or past `step` are logged again by a resumed run: they move to
-    out/NAME.replaced.jsonl (appended, never lost); a line cut short by a kill mid-write goes."""
-    file = os.path.join(out, f"{name}.jsonl")
-    if not os.path.exists(file):  # else the run has logged no row, and wrote nothing yet
-        return
-    rows = [r for r in open(file) if r.endswith("\n")]
-    past = [r for r in rows if json.loads(r)["step"] >= step]
-    if past and not jax.process_index():
-        with LOCK, open(os.path.join(out, f"{name}.replaced.jsonl"), "a") as f:
-            f.writelines(past)
-        print(
-            f"  {len(past)} rows of {name}.jsonl from step {step} on: kept in {name}.replaced.jsonl"
-        )
-    atomic(file, lambda f: f.writelines(r for r in rows if json.loads(r)["step"] < step))
 
 
 def interruptible(work):  # work() in a thread, so that Ctrl-C is honoured at once, even inside XLA

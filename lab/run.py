@@ -5,7 +5,9 @@ held-out score, the data, and train.grpo run with logs, metrics.jsonl, resumable
 guard against an update that is not finite; --compare and --plan. `train` is train.py's module,
 passed in by its `main`, never imported. B = P·G rows a step."""
 
+import json
 import math
+import os
 import time
 from collections import namedtuple
 from functools import cache, partial
@@ -114,7 +116,7 @@ def run(args, task, fn, center, seed, out, prefix=""):
     # the loop, from the saved state if there is one
     template = copy(params, args.sampler) if args.staleness else None  # a saved copy's dtypes
     hist = dict(step=0, acc={}, drift={}, kl_q_p=[], reward=[])
-    hist, state = harness.resume(out, hist, params, opt_state, template)  # out's saved, if any
+    hist, state = resume(out, hist, params, opt_state, template)  # out's saved state, if any
     log = harness.recorder(args, out, hist, prefix)  # prints, appends metrics.jsonl, saves
     params, opt_state = fn.train.grpo(
         state,
@@ -150,6 +152,45 @@ def stop_if_not_finite(log, evaluate):
         return finite
 
     return record
+
+
+def resume(out, hist, *trees):  # hist and trees from out's state, if any; rows past it set aside
+    if not out:
+        return hist, trees
+    file = os.path.join(out, "state.npz")
+    if os.path.exists(file):
+        with np.load(file) as z:
+            leaves, tree = jax.tree.flatten(trees)
+            if [z[f"a{i}"].shape for i in range(len(z.files) - 1)] != [x.shape for x in leaves]:
+                raise ValueError(f"{file}: another run's (model, --lora, --optimizer, --staleness)")
+            hist = json.loads(str(z["hist"]))
+            leaves = [
+                jax.device_put(z[f"a{i}"].astype(x.dtype), x.sharding) for i, x in enumerate(leaves)
+            ]
+            trees = tree.unflatten(leaves)  # typed and placed like the templates `trees`
+        print(f"resumed {out} at step {hist['step']}", flush=True)
+    elif os.path.exists(os.path.join(out, "metrics.jsonl")):  # no --save-every, or none saved yet
+        print(f"resumed {out} at step 0: no saved state (state.npz) to continue from", flush=True)
+    for name in ("metrics", "evals"):
+        set_aside(out, name, hist["step"])
+    return hist, trees
+
+
+def set_aside(out, name, step):
+    """Rows of out/NAME.jsonl at or past `step` are logged again by a resumed run: they move to
+    out/NAME.replaced.jsonl (appended, never lost); a line cut short by a kill mid-write goes."""
+    file = os.path.join(out, f"{name}.jsonl")
+    if not os.path.exists(file):  # else the run has logged no row, and wrote nothing yet
+        return
+    rows = [r for r in open(file) if r.endswith("\n")]
+    past = [r for r in rows if json.loads(r)["step"] >= step]
+    if past and not jax.process_index():
+        with harness.LOCK, open(os.path.join(out, f"{name}.replaced.jsonl"), "a") as f:
+            f.writelines(past)
+        print(
+            f"  {len(past)} rows of {name}.jsonl from step {step} on: kept in {name}.replaced.jsonl"
+        )
+    harness.atomic(file, lambda f: f.writelines(r for r in rows if json.loads(r)["step"] < step))
 
 
 def main(argv, train):
