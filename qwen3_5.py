@@ -1,12 +1,11 @@
-"""Qwen3.5 (not MoE) in pure JAX, the model only, with qwen3.py's forward contract; lab/ holds its
-checkpoint's weight names (models.py) and its solve's memory-saving gradient (solve.py). A hybrid:
-config layer_types makes each layer Gated DeltaNet (linear attention: a causal conv, then the gated
-delta rule's recurrent state) or gated full attention (QK-norm, partial RoPE, GQA, a sigmoid output
-gate). B batch rows, T query length, S key/KV-cache length, D model width, F MLP hidden, V vocab;
-full attention: N query heads, K key/value heads, R = N/K, H head dimension; linear attention: J key
-heads of dimension E, U value heads of dimension Y (value head u reads key head u // (U / J)), C =
-2·J·E + U·Y channels; the chunked delta rule: n chunks of 64 tokens, t and s tokens in a chunk.
-Each kind's layer weights are stacked along a leading axis of their own: w["linear"], w["full"]."""
+"""Qwen3.5 (not MoE) in pure JAX, the model only, with qwen3.py's forward contract (its checkpoint's
+weight names: lab/models.py). A hybrid: config layer_types makes each layer Gated DeltaNet (linear
+attention: a causal conv, then the gated delta rule's recurrent state) or gated full attention, each
+kind's weights stacked on a leading axis of their own: w["linear"], w["full"]. B batch rows, T
+query length, S key/KV-cache length, D model width, F MLP hidden, V vocab; full attention: N query
+heads, K key/value heads, R = N/K, H head dimension; linear attention: J key heads of dimension E,
+U value heads of dimension Y (value head u reads key head u // (U / J)), C = 2·J·E + U·Y channels;
+the chunked delta rule: n chunks of 64 tokens, t and s tokens in a chunk."""
 
 from functools import partial
 
@@ -25,10 +24,6 @@ def rms_norm(x, w, eps):  # Qwen3.5's: times (1 + w) in float32, then back to x'
     return (normed(x, eps) * (1 + jnp.broadcast_to(w.astype(F32), x.shape))).astype(x.dtype)
 
 
-def l2_norm(x):  # x / |x| over the last axis, eps 1e-6 under the root (as transformers)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
-
-
 def rope(x, pos, base, rotary):  # rotate-half RoPE on the first `rotary` channels; x [B, T, N, H]
     half = rotary // 2
     angle = jnp.einsum("bt,h->bth", pos.astype(F32), 1 / base ** (jnp.arange(half) / half))
@@ -40,13 +35,13 @@ def rope(x, pos, base, rotary):  # rotate-half RoPE on the first `rotary` channe
 # ---- the gated delta rule: per value head a state M [E, Y]; each token decays it by exp(g),
 # writes beta times the part of v that M does not yet predict from k, and reads it with q:
 #   M <- exp(g) M;  M <- M + beta k (v - M^T k)^T;  o = M^T q
-def recurrent_delta_rule(q, k, v, g, beta, M, state_dtype):
-    """One token: q, k [B, U, E], v [B, U, Y], g and beta [B, U], all float32, the state M [B, U,
-    E, Y]. Returns o [B, U, Y] (read before rounding) and the new state, rounded to state_dtype."""
-    M = M * jnp.exp(g)[..., None, None]
+def recurrent_delta_rule(q, k, v, g, beta, state):
+    """One token: q, k [B, U, E], v [B, U, Y], g and beta [B, U], all float32, and the state [B, U,
+    E, Y] in the dtype it is held at. Returns o [B, U, Y] (read before rounding), the new state."""
+    M = state.astype(F32) * jnp.exp(g)[..., None, None]
     write = (v - jnp.einsum("bue,buey->buy", k, M)) * beta[..., None]
     M = M + jnp.einsum("bue,buy->buey", k, write)
-    return jnp.einsum("bue,buey->buy", q, M), M.astype(state_dtype).astype(F32)
+    return jnp.einsum("bue,buey->buy", q, M), M.astype(state.dtype)
 
 
 def unit_lower_solve(A, x):  # (I + A)^-1 x, A strictly lower triangular [..., t, s], a row a step
@@ -57,9 +52,9 @@ def unit_lower_solve(A, x):  # (I + A)^-1 x, A strictly lower triangular [..., t
     return jax.lax.fori_loop(0, A.shape[-1], row, x)
 
 
-def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, solve=unit_lower_solve, size=64):
+def chunked_delta_rule(q, k, v, g, beta, state, solve=unit_lower_solve, size=64):
     """The same over T tokens (a T axis after B), 64 a chunk (docs/qwen3_5.md derives it): in a
-    chunk two triangular solves, then matmuls; the state passed on, rounded to state_dtype."""
+    chunk two triangular solves, then matmuls; the state rounded to its dtype after each chunk."""
     B, T = g.shape[:2]
     n = -(-T // size)
 
@@ -86,14 +81,14 @@ def chunked_delta_rule(q, k, v, g, beta, state, state_dtype, solve=unit_lower_so
         o = o + jnp.einsum("buts,busy->buty", attn, u)
         k_to_end = k * jnp.exp(gam[..., -1:] - gam)[..., None]  # step 1 at the chunk's end
         M = M * jnp.exp(gam[..., -1])[..., None, None] + jnp.einsum("buse,busy->buey", k_to_end, u)
-        return M.astype(state_dtype).astype(F32), o
+        return M.astype(state.dtype).astype(F32), o
 
-    state, o = jax.lax.scan(step, state, (u_0, u_M, attn, q, k, gam))
+    M, o = jax.lax.scan(step, state.astype(F32), (u_0, u_M, attn, q, k, gam))
     o = jnp.moveaxis(o, (0, 2), (1, 3))  # [B, n, size, U, Y]
-    return o.reshape(B, n * size, *o.shape[3:])[:, :T], state
+    return o.reshape(B, n * size, *o.shape[3:])[:, :T], M.astype(state.dtype)
 
 
-def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype, solve):
+def gated_delta_net(cfg, lw, h, real, kv, i, mm, solve):
     """Gated DeltaNet, layer i of the linear stack, on h [B, T, D] (real [B, T, 1]: False at
     padding): its output [B, T, D] and kv, whose conv inputs and state it continues and updates."""
     J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
@@ -112,16 +107,17 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype, solve):
     window = jnp.concatenate([window.astype(h.dtype), qkv], axis=1)  # [B, width - 1 + T, C]
     conv = sum(window[:, j : j + T] * lw["conv"][None, None, j] for j in range(width))
     q, k, v = jnp.split(jax.nn.silu(conv), [J * E, 2 * J * E], axis=-1)
-    q, k = (jnp.repeat(l2_norm(x.reshape(B, T, J, E).astype(F32)), U // J, 2) for x in (q, k))
+    q, k = (jnp.repeat(x.reshape(B, T, J, E).astype(F32), U // J, 2) for x in (q, k))
+    q, k = (x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6) for x in (q, k))  # as HF
     xs = (q * E**-0.5, k, v.reshape(B, T, U, Y).astype(F32), g, beta)  # the delta rule's inputs
 
-    # delta rule
+    # delta rule, from the cache's state (at the precision the cache holds it) or zeros
     state = jnp.zeros((B, U, E, Y), F32) if kv is None else kv["state"][i]
     if T == 1:  # a decoded token (the sampler): the recurrence, O(1) a token
-        o, state = recurrent_delta_rule(*(x[:, 0] for x in xs), state, state_dtype)
+        o, state = recurrent_delta_rule(*(x[:, 0] for x in xs), state)
         o = o[:, None]  # [B, T, U, Y]
     else:  # a sequence (the trainer, a prefill): 64 tokens a chunk, mostly matmuls
-        o, state = chunked_delta_rule(*xs, state, state_dtype, solve)
+        o, state = chunked_delta_rule(*xs, state, solve)
     if kv is not None:
         conv = kv["conv"].at[i].set(window[:, T:].astype(kv["conv"].dtype))
         kv = dict(kv, conv=conv, state=kv["state"].at[i].set(state))
@@ -132,20 +128,17 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, state_dtype, solve):
     return mm("btuy,uyd->btd", o, lw["out"]), kv
 
 
-def init_kv(cfg, B, S, dtype=F32):
-    """An empty cache: per linear-attention layer the conv's last inputs and the state (float32:
-    state_dtype sets its precision), per full-attention layer K and V; position -1: empty slot."""
+def init_kv(cfg, B, S, dtype=F32, state_dtype=F32):
+    """An empty cache: per linear-attention layer the conv's last inputs and the state, held at
+    state_dtype; per full-attention layer K and V [B, S, K, H]; position -1: an empty slot."""
     J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
     U, Y = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
     n_linear = cfg["layer_types"].count("linear_attention")
     shape = (len(cfg["layer_types"]) - n_linear, B, S, cfg["num_key_value_heads"], cfg["head_dim"])
-    return dict(
-        conv=jnp.zeros((n_linear, B, cfg["linear_conv_kernel_dim"] - 1, 2 * J * E + U * Y), dtype),
-        state=jnp.zeros((n_linear, B, U, E, Y), F32),
-        k=jnp.zeros(shape, dtype),  # [full layers, B, S, K, H]
-        v=jnp.zeros(shape, dtype),  # [full layers, B, S, K, H]
-        pos=jnp.full((B, S), -1, jnp.int32),  # [B, S]
-    )
+    conv = jnp.zeros((n_linear, B, cfg["linear_conv_kernel_dim"] - 1, 2 * J * E + U * Y), dtype)
+    state = jnp.zeros((n_linear, B, U, E, Y), state_dtype)
+    k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    return dict(conv=conv, state=state, k=k, v=v, pos=jnp.full((B, S), -1, jnp.int32))
 
 
 def forward(
@@ -160,14 +153,11 @@ def forward(
     dtype=F32,
     last=None,
     kv_quant=None,
-    state_dtype=F32,
     solve=unit_lower_solve,
 ):
-    """Logits float32 [B, T, V] (or [B, last, V]) and the updated kv, as qwen3.forward: pos < 0 is
-    padding, left only (the conv reads it as zeros); with kv, full attention writes this call's K
-    and V (as kv_quant(a) if given) at slots [start, start + T), linear attention goes on from the
-    cache's conv inputs and state. state_dtype: the state's precision. mm(spec, activation, w).
-    solve(A, x): the chunked delta rule's triangular solve (lab/solve.py: its memory-saving one)."""
+    """As qwen3.forward: logits float32 [B, T, V] (or [B, last, V]) and the updated kv; pos < 0 is
+    padding, left only. With kv, linear attention goes on from the cache's conv inputs and state.
+    solve(A, x): the chunked delta rule's triangular solve (lab/solve.py's saves memory)."""
     eps, H = cfg["rms_norm_eps"], cfg["head_dim"]
     base = cfg["rope_parameters"]["rope_theta"]
     rotary = int(H * cfg["rope_parameters"]["partial_rotary_factor"])  # mRoPE is plain RoPE on text
@@ -203,7 +193,7 @@ def forward(
         if kind == "full_attention":
             h, kv = full_attention(h, lw, kv, i)
         else:
-            h, kv = gated_delta_net(cfg, lw, h, pos[..., None] >= 0, kv, i, mm, state_dtype, solve)
+            h, kv = gated_delta_net(cfg, lw, h, pos[..., None] >= 0, kv, i, mm, solve)
         x = x + h
         # MLP
         h = rms_norm(x, lw["mlp_norm"], eps)

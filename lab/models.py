@@ -4,7 +4,6 @@ contract and an init_kv; their layer weights come in stacks, one a kind of layer
 its layers): qwen3's "layers", qwen3_5's "linear", "full". Beside the dispatch, each file's weights
 as a checkpoint names them (its layout), in the shape letters of the file's own docstring."""
 
-from functools import partial
 from types import SimpleNamespace
 
 import jax
@@ -14,10 +13,17 @@ import qwen3
 import qwen3_5
 from lab import solve
 
-# qwen3_5.py as the runs call it: the chunked delta rule's solve with its memory-saving gradient
-QWEN3_5 = SimpleNamespace(
-    forward=partial(qwen3_5.forward, solve=solve.unit_lower_solve), init_kv=qwen3_5.init_kv
-)
+
+def qwen3_5_forward(cfg, w, tokens, pos, kv=None, start=0, *, state_dtype=None, **numerics):
+    """qwen3_5.forward as the runs call it: the chunked delta rule's solve with its memory-saving
+    gradient, and a sampler's state_dtype (--state-dtype) the dtype its cache holds the recurrent
+    state at, which the delta rule rounds the state to at every token and chunk from then on."""
+    if state_dtype is not None:  # a sampler's numerics: it always passes a cache
+        kv = dict(kv, state=kv["state"].astype(state_dtype))
+    return qwen3_5.forward(cfg, w, tokens, pos, kv, start, solve=solve.unit_lower_solve, **numerics)
+
+
+QWEN3_5 = SimpleNamespace(forward=qwen3_5_forward, init_kv=qwen3_5.init_kv)
 FILES = dict(qwen3=qwen3, llama=qwen3, qwen3_5_text=QWEN3_5)  # config.json's model_type: its model
 NAMES = dict(qwen3="Qwen3", llama="Llama", qwen3_5_text="Qwen3.5")
 STACKS = ("layers", "linear", "full")  # the stacks' names in a weight tree

@@ -31,8 +31,8 @@ def tiny(tmp_path_factory):  # the text model's checkpoint: untied head, layer_t
 
 
 @pytest.fixture(scope="module")
-def fwd(tiny):  # fwd(w, tokens, pos, kv, start, last=, state_dtype=): compiled once per shape
-    return jax.jit(partial(qwen3_5.forward, tiny.cfg), static_argnames=("last", "state_dtype"))
+def fwd(tiny):  # fwd(w, tokens, pos, kv, start, last=): compiled once per shape
+    return jax.jit(partial(qwen3_5.forward, tiny.cfg), static_argnames=("last",))
 
 
 def reference(path, vl=False):  # transformers' model of a checkpoint, in float32
@@ -74,7 +74,7 @@ def test_logits_match_transformers(tmp_path, tiny, fwd, vl):
     assert np.abs(expected).max() > 1  # not vacuous
 
 
-def greedy(fwd, tiny, prompt, steps, state_dtype=jnp.float32):
+def greedy(fwd, tiny, prompt, steps):
     """As train.py's sampler: the prompt [B, T0] into a fresh cache (last=1), then the argmax
     token at each step, fed back one at a time. Returns the tokens [B, steps], their logits."""
     B, T0 = prompt.shape
@@ -83,7 +83,7 @@ def greedy(fwd, tiny, prompt, steps, state_dtype=jnp.float32):
     outs = [logits]
     for t in range(T0, T0 + steps - 1):
         y = jnp.argmax(outs[-1][:, -1], -1)[:, None]
-        logits, kv = fwd(tiny.weights, y, jnp.full((B, 1), t), kv, t, state_dtype=state_dtype)
+        logits, kv = fwd(tiny.weights, y, jnp.full((B, 1), t), kv, t)
         outs.append(logits)
     logits = jnp.concatenate(outs, 1)  # [B, steps, V]
     return jnp.argmax(logits, -1), logits
@@ -165,25 +165,23 @@ def test_left_padded_rows_equal_each_prompt_alone(tiny, fwd):
 
 
 def test_state_dtype_is_the_precision_the_state_is_held_at(tiny, fwd):
-    """Decoding with a bfloat16 state (as an engine holding it so): each state written is a
-    bfloat16 value, read at the next token, and the logits move a little; float32 is the plain
-    decode."""
+    """Decoding from a cache that holds the state in bfloat16 (as an engine holding it so): each
+    state written is a bfloat16 value, read at the next token, and the logits move a little;
+    float32, init_kv's default, is the plain decode."""
     prompt = jax.random.randint(jax.random.key(4), (2, 44), 0, 300)
     _, kv = fwd(tiny.weights, prompt[:, :40], arange_pos(2, 40), qwen3_5.init_kv(tiny.cfg, 2, S), 0)
     runs = {}
     for name, dtype in [("plain", None), ("f32", jnp.float32), ("bf16", jnp.bfloat16)]:
-        options, cache, outs = {} if dtype is None else dict(state_dtype=dtype), kv, []
+        cache = kv if dtype is None else dict(kv, state=kv["state"].astype(dtype))
+        outs = []
         for t in range(40, 44):  # the prompt's last 4 tokens, one at a time
-            logits, cache = fwd(
-                tiny.weights, prompt[:, t : t + 1], jnp.full((2, 1), t), cache, t, **options
-            )
+            logits, cache = fwd(tiny.weights, prompt[:, t : t + 1], jnp.full((2, 1), t), cache, t)
             outs.append(logits)
-        runs[name] = jnp.concatenate(outs, 1), np.asarray(cache["state"])
+        runs[name] = jnp.concatenate(outs, 1), cache["state"]
     np.testing.assert_array_equal(runs["plain"][0], runs["f32"][0])
-    state = runs["bf16"][1]
-    assert state.dtype == np.float32  # stored in float32, at bfloat16's precision
-    np.testing.assert_array_equal(state, state.astype(ml_dtypes.bfloat16).astype(np.float32))
-    assert not np.array_equal(runs["f32"][1], state)
+    assert runs["plain"][1].dtype == jnp.float32 and runs["bf16"][1].dtype == jnp.bfloat16
+    state = np.asarray(runs["bf16"][1], np.float32)  # held in bfloat16 from token 40 on
+    assert not np.array_equal(np.asarray(runs["f32"][1]), state)
     gap = np.abs(np.asarray(runs["bf16"][0] - runs["f32"][0])).max()
     assert 1e-4 < gap < 0.1  # a small change that reaches the logits
 
@@ -307,12 +305,12 @@ def test_chunked_delta_rules_gradient_is_the_recurrences():
     cotangent = jax.random.normal(keys[6], (B, T, U, Y))
 
     def chunked(*xs):
-        o, end = qwen3_5.chunked_delta_rule(*xs, jnp.float32)
+        o, end = qwen3_5.chunked_delta_rule(*xs)
         return (o * cotangent).sum() + end.sum()
 
     def recurrent(q, k, v, g, beta, state):
         def token(M, x):
-            o, M = qwen3_5.recurrent_delta_rule(*x, M, jnp.float32)
+            o, M = qwen3_5.recurrent_delta_rule(*x, M)
             return M, o
 
         end, o = jax.lax.scan(token, state, [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)])
@@ -485,22 +483,24 @@ def test_a_prefill_hands_on_its_state_at_the_samplers_precision(tiny, fwd):
     next token decodes from it, as from the float32 prefill's state rounded here by ml_dtypes."""
     prompt = jax.random.randint(jax.random.key(5), (2, 41), 0, 300)
     pos = arange_pos(2, 41)
-    bf16 = dict(state_dtype=jnp.bfloat16)
     empty = qwen3_5.init_kv(tiny.cfg, 2, S)
+    empty_bf16 = qwen3_5.init_kv(tiny.cfg, 2, S, state_dtype=jnp.bfloat16)
     logits_f32, kv_f32 = fwd(tiny.weights, prompt[:, :40], pos[:, :40], empty, 0)
-    logits_bf16, kv_bf16 = fwd(tiny.weights, prompt[:, :40], pos[:, :40], empty, 0, **bf16)
+    logits_bf16, kv_bf16 = fwd(tiny.weights, prompt[:, :40], pos[:, :40], empty_bf16, 0)
     np.testing.assert_allclose(logits_bf16, logits_f32, atol=1e-5)
-    state, exact = np.asarray(kv_bf16["state"]), np.asarray(kv_f32["state"])
+    assert kv_bf16["state"].dtype == jnp.bfloat16
+    state, exact = np.asarray(kv_bf16["state"], np.float32), np.asarray(kv_f32["state"])
     rounded = exact.astype(ml_dtypes.bfloat16).astype(np.float32)
-    np.testing.assert_array_equal(state, state.astype(ml_dtypes.bfloat16).astype(np.float32))
     np.testing.assert_allclose(state, rounded, rtol=2**-8)  # within a bfloat16 step
     assert np.abs(state - exact).max() > 1e-4  # rounded, not float32's
 
     # the next token, decoded from each cache
     token = prompt[:, 40:], pos[:, 40:]
-    ours, _ = fwd(tiny.weights, *token, kv_bf16, 40, **bf16)
-    by_hand, _ = fwd(tiny.weights, *token, dict(kv_f32, state=jnp.asarray(rounded)), 40, **bf16)
-    unrounded, _ = fwd(tiny.weights, *token, kv_f32, 40, **bf16)
+    ours, _ = fwd(tiny.weights, *token, kv_bf16, 40)
+    by_hand, _ = fwd(
+        tiny.weights, *token, dict(kv_f32, state=jnp.asarray(rounded, jnp.bfloat16)), 40
+    )
+    unrounded, _ = fwd(tiny.weights, *token, kv_f32, 40)
     np.testing.assert_allclose(ours, by_hand, atol=1e-5)
     assert np.abs(np.asarray(unrounded - by_hand)).max() > 1e-4  # the rounding reaches the logits
 
@@ -518,8 +518,8 @@ def test_a_decoded_tokens_output_reads_the_state_before_it_is_rounded():
     g = -np.log1p(np.exp(rng.normal(size=(B, U))))  # log decays <= 0
     beta = 1 / (1 + np.exp(-rng.normal(size=(B, U))))
     inputs = [np.float32(x) for x in (q, k, rng.normal(size=(B, U, Y)), g, beta)]
-    M = np.float32(rng.normal(size=(B, U, E, Y)))
-    o, new = qwen3_5.recurrent_delta_rule(*map(jnp.asarray, inputs), jnp.asarray(M), jnp.bfloat16)
+    M = np.float32(rng.normal(size=(B, U, E, Y)).astype(ml_dtypes.bfloat16))  # as a cache holds it
+    o, new = qwen3_5.recurrent_delta_rule(*map(jnp.asarray, inputs), jnp.asarray(M, jnp.bfloat16))
 
     # float64: decay, write, read
     q, k, v, g, beta = (np.float64(x) for x in inputs)
@@ -530,6 +530,6 @@ def test_a_decoded_tokens_output_reads_the_state_before_it_is_rounded():
     np.testing.assert_allclose(o, expected, atol=1e-5)
     M_bf16 = M.astype(ml_dtypes.bfloat16).astype(np.float64)
     assert np.abs(np.einsum("bue,buey->buy", q, M_bf16) - expected).max() > 1e-3  # if read after
-    new = np.asarray(new)
-    np.testing.assert_array_equal(new, new.astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert new.dtype == jnp.bfloat16
+    new = np.asarray(new, np.float32)
     assert (np.abs(new - M) <= 2**-8 * np.abs(M) + 1e-6).all()
