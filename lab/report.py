@@ -1,8 +1,9 @@
 """python -m lab.report DIR [--plot FILE]: a --compare's numbers recomputed from the files its runs
 wrote (DIR/ARM_seedN/metrics.jsonl), finished or not: each seed's row, the means over the seeds
 with 95% t-intervals, the drift ratio uncentred / centred, lab.compare's verdict, whether the
-mismatch grew, and the curves. The docs quote the SmolLM2 runs from these files, committed without
-their saved states."""
+mismatch grew, and the curves (with the tail ratio ρ where logged); with --control, the
+pre-registered reading of the full-weight runs (docs/real_model.md) and the arms compared problem
+by problem. The docs quote the SmolLM2 runs from these files, committed without their saved states."""
 
 import argparse
 import glob
@@ -146,18 +147,49 @@ def preregistered(folder, control):
     print(f"collapsed: {fell['uncentered']} uncentred, {fell['centered']} centred of {n} seeds")
     print(f"final drift, uncentred mean / the control's uncentred: {drift:.2f}")
     print(f"pre-registered verdict: {verdict}" + (f" ({n} of 3 seeds in)" if n < 3 else ""))
-    return dict(runs=runs, diff=diff, collapsed=fell, drift_ratio=drift, verdict=verdict)
+    found = dict(runs=runs, diff=diff, collapsed=fell, drift_ratio=drift, verdict=verdict)
+    return found | by_problem(folder)
+
+
+def by_problem(folder):
+    """The arms problem by problem (evals.jsonl): at each evaluation both arms of a seed reached,
+    how many held-out problems (a reward of 1) both got right, the centred arm alone, the uncentred
+    arm alone, neither. {seed: {step: counts}}, printed a table a seed."""
+    found = {}
+    for seed in read(folder):
+        files = [os.path.join(folder, f"{arm}_seed{seed}", "evals.jsonl") for arm in ARMS]
+        if not all(map(os.path.exists, files)):  # runs from before evals.jsonl
+            continue
+        u, c = (
+            {r["step"]: np.array(r["rewards"]) == 1 for r in map(json.loads, open(f))}
+            for f in files
+        )
+        found[seed] = {
+            step: dict(
+                both=int((u[step] & c[step]).sum()),
+                centred=int((c[step] & ~u[step]).sum()),
+                uncentred=int((u[step] & ~c[step]).sum()),
+                neither=int((~u[step] & ~c[step]).sum()),
+            )
+            for step in sorted(set(u) & set(c))
+        }
+        columns = dict.fromkeys(("both", "centred", "uncentred", "neither"), "{:5d}")
+        harness.table(f"seed {seed}, step", {str(k): v for k, v in found[seed].items()}, columns)
+    return dict(problems=found)
 
 
 LATE_COLUMNS = dict(first="{:.4f}", peak="{:.4f}", late="{:.4f}", drift="{:.2f}", collapsed="{}")
 
 
 def curves(file, runs, last, title):
-    """Held-out accuracy and drift at each evaluation (dots), kl_q_p as the mean of the last 10
-    updates at each step: uncentred red, centred blue, a line style per seed."""
+    """Held-out accuracy and drift at each evaluation (dots), kl_q_p and (where logged) the tail
+    ratio's mean log ρ as the means of the last 10 updates at each step: uncentred red, centred
+    blue, a line style per seed."""
     dashes = ("-", "--", "-.", ":")
     panels = [("held-out greedy accuracy", "acc"), ("drift  KL(p_0 || p_t)", "drift")]
     panels.append(("kl_q_p, mean of the last 10 updates", "kl_q_p"))
+    if any("tail_ratio_log" in r for arms in runs.values() for rows in arms.values() for r in rows):
+        panels.append(("tail ratio: mean log ρ, last 10 updates", "tail_ratio_log"))
     out = []
     for name, key in panels:
         lines = {}
@@ -165,11 +197,12 @@ def curves(file, runs, last, title):
             for arm, colour in zip(ARMS, "rb", strict=True):
                 xy = [(r["step"], r[key]) for r in arms[arm] if key in r and r["step"] <= last]
                 x, y = zip(*xy, strict=True)
-                if key == "kl_q_p":  # a step's estimate from 64 rollouts is noisy: 10 at a time
+                if key in ("kl_q_p", "tail_ratio_log"):  # a step's estimate is noisy: 10 at once
                     y = windows(y)
                     x = x[len(x) - len(y) :]
                 label = f"{'un' * (arm == 'uncentered')}centred, seed {seed}"
-                lines[label] = (x, y, colour + ("" if key == "kl_q_p" else ".") + dashes[i % 4])
+                dots = "" if key in ("kl_q_p", "tail_ratio_log") else "."  # evaluations: dots
+                lines[label] = (x, y, colour + dots + dashes[i % 4])
         out.append(("" if out else title, name, lines))  # the run named once, over the first
     compare.plot(file, out)
 

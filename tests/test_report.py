@@ -208,3 +208,20 @@ def test_seeds_are_compared_at_the_last_evaluation_every_run_reached(tmp_path, c
             assert (r["final_acc"], r["peak_acc"], r["final_drift"]) == (0.2, 0.2, 2.0)
             # no update past step 20: a mean of 0.0095 (steps 0 to 19) or 0.01 (0 to 20), not 0.0145
             assert r["mean_kl_q_p"] <= np.mean(np.arange(21) / 1000) + 1e-12
+
+
+def test_the_arms_are_compared_problem_by_problem_at_each_evaluation_both_reached(tmp_path):
+    """evals.jsonl's rewards (1: right) counted by hand: at step 0, of 6 problems both arms got 2
+    right, the centred arm alone 1, the uncentred alone 2, neither 1; step 10 only the uncentred
+    arm reached (not compared); seed 1 has no evals.jsonl (a run from before it: skipped)."""
+    runs = {(arm, s): (FLAT[:2], 1.0) for arm in ("uncentered", "centered") for s in (0, 1)}
+    folder = write_runs(tmp_path, runs)
+    evals = dict(
+        uncentered=[dict(step=0, rewards=[1, 1, 0, 1, 1, 0]), dict(step=10, rewards=[1] * 6)],
+        centered=[dict(step=0, rewards=[1, 0, 1, 0, 1, 0])],
+    )
+    for arm, rows in evals.items():
+        with open(os.path.join(folder, f"{arm}_seed0", "evals.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    counts = dict(both=2, centred=1, uncentred=2, neither=1)
+    assert report.by_problem(folder) == {"problems": {0: {0: counts}}}
