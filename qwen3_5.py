@@ -4,8 +4,8 @@ attention: a causal conv, then the gated delta rule's recurrent state) or gated 
 kind's weights stacked on a leading axis of their own: w["linear"], w["full"]. B batch rows, T
 query length, S key/KV-cache length, D model width, F MLP hidden, V vocab; full attention: N query
 heads, K key/value heads, R = N/K, H head dimension; linear attention: J key heads of dimension E,
-U value heads of dimension Y (value head u reads key head u // (U / J)), C = 2·J·E + U·Y channels;
-the chunked delta rule: n chunks of 64 tokens, t and s tokens in a chunk."""
+U value heads of dimension Y (value head u reads key head u // (U / J)), C = 2·J·E + U·Y
+channels."""
 
 from functools import partial
 
@@ -35,60 +35,31 @@ def rope(x, pos, base, rotary):  # rotate-half RoPE on the first `rotary` channe
 # ---- the gated delta rule: per value head a state M [E, Y]; each token decays it by exp(g),
 # writes beta times the part of v that M does not yet predict from k, and reads it with q:
 #   M <- exp(g) M;  M <- M + beta k (v - M^T k)^T;  o = M^T q
-def recurrent_delta_rule(q, k, v, g, beta, state):
-    """One token: q, k [B, U, E], v [B, U, Y], g and beta [B, U], all float32, and the state [B, U,
-    E, Y] in the dtype it is held at. Returns o [B, U, Y] (read before rounding), the new state."""
-    M = state.astype(F32) * jnp.exp(g)[..., None, None]
+def recurrent_delta_rule(q, k, v, g, beta, M):
+    """One token: q, k [B, U, E], v [B, U, Y], g and beta [B, U], the state M [B, U, E, Y], all
+    float32. Returns o [B, U, Y] and the new M."""
+    M = M * jnp.exp(g)[..., None, None]
     write = (v - jnp.einsum("bue,buey->buy", k, M)) * beta[..., None]
     M = M + jnp.einsum("bue,buy->buey", k, write)
-    return jnp.einsum("bue,buey->buy", q, M), M.astype(state.dtype)
+    return jnp.einsum("bue,buey->buy", q, M), M
 
 
-def unit_lower_solve(A, x):  # (I + A)^-1 x, A strictly lower triangular [..., t, s], a row a step
-    # (not LAPACK's triangular solve: differentiated, it hangs XLA's CPU runtime on several devices)
-    def row(i, x):  # forward substitution: x_i <- x_i - Σ_s<i A[i, s] x_s, rows before i solved
-        return x.at[..., i, :].add(-jnp.einsum("...s,...sy->...y", A[..., i, :], x))
+def delta_rule(q, k, v, g, beta, state):
+    """The same over a call's T tokens (a T axis after B), a token at a time: o [B, T, U, Y] and
+    the state, taken and returned at the dtype its cache holds it in."""
 
-    return jax.lax.fori_loop(0, A.shape[-1], row, x)
+    def token(M, x):
+        o, M = recurrent_delta_rule(*x, M)
+        return M, o
 
-
-def chunked_delta_rule(q, k, v, g, beta, state, solve=unit_lower_solve, size=64):
-    """The same over T tokens (a T axis after B), 64 a chunk (docs/qwen3_5.md derives it): in a
-    chunk two triangular solves, then matmuls; the state rounded to its dtype after each chunk."""
-    B, T = g.shape[:2]
-    n = -(-T // size)
-
-    def chunks(a):  # [B, T, U, ...] -> [n, B, U, size, ...], zeros at the end: g = beta = 0 there
-        a = jnp.pad(a, [(0, 0), (0, n * size - T)] + [(0, 0)] * (a.ndim - 2))
-        return jnp.moveaxis(a.reshape(B, n, size, *a.shape[2:]), (1, 3), (0, 2))
-
-    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
-    # step 1 (docs): exp(gam) decays from the chunk's start to t, decay[t, s] from s to t (≤ 1, as
-    # g ≤ 0); the cap at 0 bites only above the diagonal, where exp's inf would NaN the gradients
-    gam = jnp.cumsum(g, axis=-1)  # [n, B, U, size]
-    decay = jnp.tril(jnp.exp(jnp.minimum(gam[..., :, None] - gam[..., None, :], 0)))
-    # step 2: a write u_t = beta_t (v_t - (e^g_t M_{t-1})^T k_t) reads the chunk's earlier writes:
-    # (I + A) u = beta (v - exp(gam) M^T k), M the chunk's start, A[t, s] = beta_t decay k_t·k_s
-    A = jnp.tril(jnp.einsum("nbute,nbuse->nbuts", k, k) * decay, -1) * beta[..., None]
-    u_0 = solve(A, v * beta[..., None])  # the writes if M = 0
-    u_M = solve(A, k * (beta * jnp.exp(gam))[..., None])  # u = u_0 - u_M M
-    attn = jnp.einsum("nbute,nbuse->nbuts", q, k) * decay  # step 3's (q_t · k_s) decay[t, s]
-
-    def step(M, xs):  # steps 3-4 across chunks, M the state at a chunk's start: its o, M at its end
-        u_0, u_M, attn, q, k, gam = xs
-        u = u_0 - jnp.einsum("bute,buey->buty", u_M, M)
-        o = jnp.einsum("bute,buey->buty", q * jnp.exp(gam)[..., None], M)  # e^gam_t M^T q_t
-        o = o + jnp.einsum("buts,busy->buty", attn, u)
-        k_to_end = k * jnp.exp(gam[..., -1:] - gam)[..., None]  # step 1 at the chunk's end
-        M = M * jnp.exp(gam[..., -1])[..., None, None] + jnp.einsum("buse,busy->buey", k_to_end, u)
-        return M.astype(state.dtype).astype(F32), o
-
-    M, o = jax.lax.scan(step, state.astype(F32), (u_0, u_M, attn, q, k, gam))
-    o = jnp.moveaxis(o, (0, 2), (1, 3))  # [B, n, size, U, Y]
-    return o.reshape(B, n * size, *o.shape[3:])[:, :T], M.astype(state.dtype)
+    # a call (a prefill, the trainer's pass, one decoded token) works on the state in float32 and
+    # rounds it to its dtype once, at its end (as vLLM's prefill stores FLA's float32 final state)
+    over_t = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]  # T first, as scan takes it
+    M, o = jax.lax.scan(token, state.astype(F32), over_t)
+    return jnp.moveaxis(o, 0, 1), M.astype(state.dtype)
 
 
-def gated_delta_net(cfg, lw, h, real, kv, i, mm, solve):
+def gated_delta_net(cfg, lw, h, real, kv, i, mm, rule):
     """Gated DeltaNet, layer i of the linear stack, on h [B, T, D] (real [B, T, 1]: False at
     padding): its output [B, T, D] and kv, whose conv inputs and state it continues and updates."""
     J, E = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
@@ -113,11 +84,7 @@ def gated_delta_net(cfg, lw, h, real, kv, i, mm, solve):
 
     # delta rule, from the cache's state (at the precision the cache holds it) or zeros
     state = jnp.zeros((B, U, E, Y), F32) if kv is None else kv["state"][i]
-    if T == 1:  # a decoded token (the sampler): the recurrence, O(1) a token
-        o, state = recurrent_delta_rule(*(x[:, 0] for x in xs), state)
-        o = o[:, None]  # [B, T, U, Y]
-    else:  # a sequence (the trainer, a prefill): 64 tokens a chunk, mostly matmuls
-        o, state = chunked_delta_rule(*xs, state, solve)
+    o, state = rule(*xs, state)  # [B, T, U, Y]
     if kv is not None:
         conv = kv["conv"].at[i].set(window[:, T:].astype(kv["conv"].dtype))
         kv = dict(kv, conv=conv, state=kv["state"].at[i].set(state))
@@ -153,11 +120,11 @@ def forward(
     dtype=F32,
     last=None,
     kv_quant=None,
-    solve=unit_lower_solve,
+    rule=delta_rule,
 ):
     """As qwen3.forward: logits float32 [B, T, V] (or [B, last, V]) and the updated kv; pos < 0 is
     padding, left only. With kv, linear attention goes on from the cache's conv inputs and state.
-    solve(A, x): the chunked delta rule's triangular solve (lab/solve.py's saves memory)."""
+    rule: delta_rule, or a drop-in (the runs': lab/chunked.py's, in chunks, mostly matmuls)."""
     eps, H = cfg["rms_norm_eps"], cfg["head_dim"]
     base = cfg["rope_parameters"]["rope_theta"]
     rotary = int(H * cfg["rope_parameters"]["partial_rotary_factor"])  # mRoPE is plain RoPE on text
@@ -193,7 +160,7 @@ def forward(
         if kind == "full_attention":
             h, kv = full_attention(h, lw, kv, i)
         else:
-            h, kv = gated_delta_net(cfg, lw, h, pos[..., None] >= 0, kv, i, mm, solve)
+            h, kv = gated_delta_net(cfg, lw, h, pos[..., None] >= 0, kv, i, mm, rule)
         x = x + h
         # MLP
         h = rms_norm(x, lw["mlp_norm"], eps)

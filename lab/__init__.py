@@ -11,7 +11,7 @@ run            one run of train.py: its programs, the policy, data, evaluation, 
 grouped        drop-ins for the sampler and trainer logits that compute a group's prompt once
 train_step     the drop-in train step: micro-batches, FSDP or LoRA, the non-finite guard
 models         the model file a config.json names, as the runs call it; weight names, input axes
-solve          Qwen3.5's triangular solve with a memory-saving backward pass, a drop-in for its own
+chunked        Qwen3.5's delta rule in chunks of 64 tokens, a drop-in for its token-by-token one
 hf_checkpoint  Hugging Face checkpoints: safetensors, config.json, the tokenizer; load and save
 tokenizer      byte-level BPE through tiktoken, and the checkpoint's own chat template
 gguf           python -m lab.gguf FILE OUT: a GGUF file as a checkpoint folder

@@ -1,5 +1,5 @@
 """The model file a config.json names, chosen once here, as the runs call it: qwen3.py runs Qwen3
-and Llama, qwen3_5.py Qwen3.5 (with lab/solve.py's memory-saving solve). Both have the same forward
+and Llama, qwen3_5.py Qwen3.5 (with lab/chunked.py's delta rule). Both have the same forward
 contract and an init_kv; their layer weights come in stacks, one a kind of layer, each [L, ...] (L
 its layers): qwen3's "layers", qwen3_5's "linear", "full". Beside the dispatch, each file's weights
 as a checkpoint names them (its layout), in the shape letters of the file's own docstring."""
@@ -11,16 +11,17 @@ import jax.numpy as jnp
 
 import qwen3
 import qwen3_5
-from lab import solve
+from lab import chunked
 
 
 def qwen3_5_forward(cfg, w, tokens, pos, kv=None, start=0, *, state_dtype=None, **numerics):
-    """qwen3_5.forward as the runs call it: the chunked delta rule's solve with its memory-saving
-    gradient, and a sampler's state_dtype (--state-dtype) the dtype its cache holds the recurrent
-    state at, which the delta rule rounds the state to at every token and chunk from then on."""
+    """qwen3_5.forward as the runs call it: the delta rule in chunks (lab/chunked.py: mostly
+    matmuls, with a memory-saving gradient), and a sampler's state_dtype (--state-dtype) the dtype
+    its cache holds the recurrent state at, which each call (its prefill, a decoded token) rounds
+    the state to at its end."""
     if state_dtype is not None:  # a sampler's numerics: it always passes a cache
         kv = dict(kv, state=kv["state"].astype(state_dtype))
-    return qwen3_5.forward(cfg, w, tokens, pos, kv, start, solve=solve.unit_lower_solve, **numerics)
+    return qwen3_5.forward(cfg, w, tokens, pos, kv, start, rule=chunked.delta_rule, **numerics)
 
 
 QWEN3_5 = SimpleNamespace(forward=qwen3_5_forward, init_kv=qwen3_5.init_kv)

@@ -1,9 +1,11 @@
 """qwen3_5.py and its checkpoints: logits against transformers' Qwen3.5 in both layouts (the text
-model's and the vision-language wrapper's), greedy generation against transformers', the recurrent
-decode against the chunked forward, left padding against each prompt alone, the state's precision,
-the mm hook, gradients through padding and against the recurrence's; the runs' memory-saving solve
-(lab/solve.py) against the plain one; save() read back by transformers; the config checks, on
-Qwen3.5-0.8B's config.json and on what they refuse. B batch rows, T query length, V vocab."""
+model's and the vision-language wrapper's), greedy generation against transformers', the runs'
+prefill and decode against the reference's one pass, left padding against each prompt alone, the
+state's precision, the mm hook, gradients through padding; the runs' chunked delta rule
+(lab/chunked.py) against the reference's token-by-token one (values, gradients, a bf16 state, the
+forward), its memory-saving solve against the plain one; save() read back by transformers; the
+config checks, on Qwen3.5-0.8B's config.json and on what they refuse. B batch rows, T query length,
+V vocab."""
 
 import json
 from functools import partial
@@ -16,11 +18,11 @@ import pytest
 
 import qwen3_5
 from helpers import QWEN3_5_LAYERS, arange_pos, write_tiny_qwen3_5
-from lab import hf_checkpoint, models, solve
+from lab import chunked, hf_checkpoint, models
 
 # measured on 6 tiny checkpoints x 3 inputs (logits |z| <= 15; 1 and 2 threads, the suite's and
-# XLA's default flags): ours and transformers' float32 logits <= 9.3e-5 apart (T = 70, two chunks
-# of the delta rule), the recurrent decode and the chunked forward <= 1.3e-4; tolerance ~10x: 1e-3
+# XLA's default flags), the delta rule then chunked: ours and transformers' float32 logits <= 9.3e-5
+# apart (T = 70), the recurrent decode and the chunked forward <= 1.3e-4; tolerance ~10x: 1e-3
 ATOL = 1e-3
 S = 80  # every cache's length: one compiled decode step for all the tests
 
@@ -33,6 +35,11 @@ def tiny(tmp_path_factory):  # the text model's checkpoint: untied head, layer_t
 @pytest.fixture(scope="module")
 def fwd(tiny):  # fwd(w, tokens, pos, kv, start, last=): compiled once per shape
     return jax.jit(partial(qwen3_5.forward, tiny.cfg), static_argnames=("last",))
+
+
+@pytest.fixture(scope="module")
+def runs_fwd(tiny):  # the same, as the runs call it: lab/chunked.py's delta rule
+    return jax.jit(partial(models.model(tiny.cfg).forward, tiny.cfg), static_argnames=("last",))
 
 
 def reference(path, vl=False):  # transformers' model of a checkpoint, in float32
@@ -58,7 +65,7 @@ def same(a, b):  # two weight trees, equal leaf by leaf
 def test_logits_match_transformers(tmp_path, tiny, fwd, vl):
     """The checkpoint, and the folder transformers writes of it with save_pretrained (the
     wrapper's: model.language_model.*, model.visual.*), read as tiny's weights, whose logits over
-    two chunks of the delta rule are transformers'."""
+    70 tokens are transformers'."""
     src = write_tiny_qwen3_5(str(tmp_path / "src"), vl=vl)  # tiny's weights, in either layout
     ref = reference(src, vl)
     ref.save_pretrained(tmp_path / "hf")
@@ -110,15 +117,16 @@ def test_greedy_generation_matches_transformers(tiny, fwd):
 
 # --------------------------------------------------------------------------------------------------
 # the cache: the recurrent decode, a prefill in parts, left padding, the state's precision
-def test_recurrent_decode_matches_chunked_forward(tiny, fwd):
-    """A prefill of 40 tokens, 21 more continuing from the cache (the chunked rule from a state),
-    then 9 one at a time (the recurrent rule): the logits of one chunked pass over all 70."""
+def test_recurrent_decode_matches_chunked_forward(tiny, fwd, runs_fwd):
+    """As the runs compute it: a prefill of 40 tokens, 21 more continuing from the cache (the
+    chunked rule from a state), then 9 one at a time (the recurrence): the logits of the
+    reference's one pass over all 70, a token at a time."""
     tokens = jax.random.randint(jax.random.key(0), (2, 70), 0, 300)
     full, _ = fwd(tiny.weights, tokens, arange_pos(2, 70))
     kv = qwen3_5.init_kv(tiny.cfg, 2, S)
     outs = []
     for a, b in [(0, 40), (40, 61)] + [(t, t + 1) for t in range(61, 70)]:
-        logits, kv = fwd(tiny.weights, tokens[:, a:b], arange_pos(2, b)[:, a:], kv, a)
+        logits, kv = runs_fwd(tiny.weights, tokens[:, a:b], arange_pos(2, b)[:, a:], kv, a)
         outs.append(logits)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=ATOL)
     assert (kv["pos"] == jnp.array([list(range(70)) + [-1] * (S - 70)] * 2)).all()
@@ -213,14 +221,14 @@ def test_every_weight_matmul_goes_through_mm(tiny):
 
 
 def test_gradients_finite_through_padding(tiny):
-    """The trainer's pass, left padding included: the chunked rule's masked decays (clipped at 0
-    before exp) give finite gradients, and the linear attention's own weights get some."""
+    """The runs' trainer pass, left padding included: the chunked rule's masked decays (clipped at
+    0 before exp) give finite gradients, and the linear attention's own weights get some."""
     cfg = dict(tiny.cfg, layer_types=["linear_attention"])  # one layer: a cheaper compile
     tokens = jnp.array([[0, 0, 0, 5, 6, 7], [8, 9, 10, 11, 12, 13]])
     pos = jnp.array([[-3, -2, -1, 0, 1, 2], list(range(6))])
 
     def loss(w):  # every position, padding included
-        return jax.nn.log_softmax(qwen3_5.forward(cfg, w, tokens, pos)[0]).mean()
+        return jax.nn.log_softmax(models.model(cfg).forward(cfg, w, tokens, pos)[0]).mean()
 
     grads = jax.jit(jax.grad(loss))(tiny.weights)["linear"]
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
@@ -230,13 +238,13 @@ def test_gradients_finite_through_padding(tiny):
 
 # measured on 8 random chunks of 64 rows (|u| <= 60, gradients <= 216), apart by at most this share
 # of the largest entry: the plain solve's values and LU's 1.3e-6; the memory-saving solve's
-# gradients and autodiff's through the plain one 5e-7, LU's 2.2e-6. On a one-layer model (3
-# inputs): the runs' gradients and the reference's 6.1e-6 of a weight's largest. Tolerances ~10x
+# gradients and autodiff's through the plain one 5e-7, LU's 2.2e-6. Tolerances ~10x
 def test_the_memory_saving_solve_is_the_plain_solve():
-    """lab/solve.py's unit_lower_solve, the runs' drop-in for qwen3_5's: the same values, and its
-    backward pass (the transposed solve) the gradient autodiff takes through the plain forward
-    substitution and through jnp.linalg.solve (LU) of I + A, for x and for A below its diagonal
-    (A is taken as strictly lower: its gradient elsewhere is defined 0), keeping far less."""
+    """lab/chunked.py's unit_lower_solve, the chunked rule's: the values of its forward
+    substitution, and its backward pass (the transposed solve) the gradient autodiff takes through
+    the forward substitution and through jnp.linalg.solve (LU) of I + A, for x and for A below its
+    diagonal (A is taken as strictly lower: its gradient elsewhere is defined 0), keeping far
+    less."""
     kA, kx, kc = jax.random.split(jax.random.key(0), 3)
     A = jnp.tril(jax.random.normal(kA, (3, 64, 64)) * 0.3, -1)  # a chunk of 64 tokens
     x, cotangent = jax.random.normal(kx, (3, 64, 5)), jax.random.normal(kc, (3, 64, 5))
@@ -245,8 +253,8 @@ def test_the_memory_saving_solve_is_the_plain_solve():
     def lu(A, x):
         return jnp.linalg.solve(eye + A, x)
 
-    u = qwen3_5.unit_lower_solve(A, x)
-    np.testing.assert_array_equal(solve.unit_lower_solve(A, x), u)
+    u = chunked.forward_substitution(A, x)
+    np.testing.assert_array_equal(chunked.unit_lower_solve(A, x), u)
     np.testing.assert_allclose(u, lu(A, x), atol=1e-5 * np.abs(u).max())
 
     def grad(solver):  # of x and of A below its diagonal, and the compiled gradient's memory
@@ -257,8 +265,8 @@ def test_the_memory_saving_solve_is_the_plain_solve():
         dA, dx = compiled(A, x)
         return jnp.tril(dA, -1), dx, compiled.memory_analysis().temp_size_in_bytes
 
-    *ours, ours_temp = grad(solve.unit_lower_solve)
-    *plain, plain_temp = grad(qwen3_5.unit_lower_solve)
+    *ours, ours_temp = grad(chunked.unit_lower_solve)
+    *plain, plain_temp = grad(chunked.forward_substitution)
     dA, dx = jax.grad(lambda A, x: (lu(A, x) * cotangent).sum(), (0, 1))(A, x)
     for name, a, b, c in zip("Ax", ours, plain, (jnp.tril(dA, -1), dx), strict=True):
         big = np.abs(b).max()
@@ -269,32 +277,84 @@ def test_the_memory_saving_solve_is_the_plain_solve():
     assert ours_temp * 8 < plain_temp
 
 
-def test_the_runs_forward_takes_the_memory_saving_solve(tiny):
-    """lab/models.py's forward for Qwen3.5, the one train.py's runs call: qwen3_5.forward with the
-    memory-saving solve. The same logits, the same gradient to float32 rounding, less memory."""
+# measured on 8 seeds of random inputs (T 1, 5, 64 and 150), apart by at most this share of the
+# largest entry: outputs 1.7e-6, final states 2.6e-6; held at bfloat16, the final state the float32
+# one's rounded, bit for bit (a float32 ulp may yet flip one). On a one-layer model (3 checkpoints x
+# 2 inputs, 70 tokens): the runs' logits and the reference's 1.9e-5 apart (|z| <= 15), gradients
+# 2.3e-5 of a weight's largest; prefilled into a bfloat16 state, the same state and next logits,
+# bit for bit. Tolerances ~10x
+@pytest.mark.parametrize("T", [1, 64, 150], ids=["a token", "a chunk", "three chunks"])
+def test_the_chunked_rule_is_the_reference(T):
+    """lab/chunked.py's delta_rule, the runs' drop-in for qwen3_5.delta_rule: the same outputs and
+    final state to float32 rounding. With the state held at bfloat16 each reads it in float32 from
+    the call's start to its end (the float32 call's outputs) and rounds it once, at the end, not at
+    each chunk's: the float32 final state rounded."""
+    *xs, state = delta_rule_inputs(jax.random.key(T), T)
+    ref_o, ref_M = jax.jit(qwen3_5.delta_rule)(*xs, state)
+    o, M = jax.jit(qwen3_5.delta_rule)(*xs, state.astype(jnp.bfloat16))  # the reference's rounding
+    np.testing.assert_array_equal(o, ref_o)
+    np.testing.assert_array_equal(M, ref_M.astype(jnp.bfloat16))
+    for held, step in [(jnp.float32, 0), (jnp.bfloat16, 2**-8)]:  # step: a bfloat16 one
+        o, M = jax.jit(chunked.delta_rule)(*xs, state.astype(held))
+        assert M.dtype == held
+        np.testing.assert_allclose(o, ref_o, atol=2e-5 * np.abs(ref_o).max())
+        rounded = np.asarray(ref_M.astype(held), np.float32)
+        big = np.abs(rounded).max()
+        np.testing.assert_allclose(np.asarray(M, np.float32), rounded, rtol=step, atol=3e-5 * big)
+
+
+def delta_rule_inputs(key, T, B=2, U=3, E=8, Y=6):
+    """q, k (L2-normed) [B, T, U, E], v [B, T, U, Y], g (log decays) and beta [B, T, U], and a
+    state [B, U, E, Y] whose entries are bfloat16 values, held in float32."""
+    keys = jax.random.split(key, 6)
+    q, k = (l2_norm_rows(jax.random.normal(key, (B, T, U, E))) for key in keys[:2])
+    v = jax.random.normal(keys[2], (B, T, U, Y))
+    g = -jax.nn.softplus(jax.random.normal(keys[3], (B, T, U)))
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (B, T, U)))
+    state = jax.random.normal(keys[5], (B, U, E, Y)).astype(jnp.bfloat16) * 0.3
+    return q, k, v, g, beta, state.astype(jnp.float32)
+
+
+def l2_norm_rows(x):
+    return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def test_the_runs_forward_is_the_reference(tiny):
+    """lab/models.py's forward for Qwen3.5, the one train.py's runs call: qwen3_5.forward with
+    lab/chunked.py's delta rule. Over 70 tokens (two chunks) the trainer's logits and gradient,
+    to float32 rounding; as a sampler with the state held at bfloat16, a 70-token prefill's state
+    to within a bfloat16 step, and the next token's logits."""
     cfg = dict(tiny.cfg, layer_types=["linear_attention"])  # one layer: a cheaper compile
-    tokens = jax.random.randint(jax.random.key(2), (2, 64), 0, 300)
+    tokens, pos = jax.random.randint(jax.random.key(2), (2, 71), 0, 300), arange_pos(2, 71)
     runs = {}
     for name, forward in [("runs", models.model(cfg).forward), ("reference", qwen3_5.forward)]:
 
-        def loss(w, forward=forward):
-            return jax.nn.log_softmax(forward(cfg, w, tokens, arange_pos(2, 64))[0]).mean()
+        def loss(w, forward=forward):  # the trainer's pass: a loss and the logits
+            logits = forward(cfg, w, tokens[:, :70], pos[:, :70])[0]
+            return jax.nn.log_softmax(logits).mean(), logits
 
-        compiled = jax.jit(jax.value_and_grad(loss)).lower(tiny.weights).compile()
-        runs[name] = compiled(tiny.weights), compiled.memory_analysis().temp_size_in_bytes
-    (loss_runs, ours), temp_runs = runs["runs"]
-    (loss_ref, ref), temp_ref = runs["reference"]
-    assert loss_runs == loss_ref
+        def sample(w, forward=forward):  # a prefill into a bfloat16 state, then a token
+            kv = qwen3_5.init_kv(cfg, 2, S, state_dtype=jnp.bfloat16)
+            _, kv = forward(cfg, w, tokens[:, :70], pos[:, :70], kv, 0)
+            logits, kv = forward(cfg, w, tokens[:, 70:], pos[:, 70:], kv, 70)
+            return logits, kv["state"].astype(jnp.float32)
+
+        grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(tiny.weights)
+        runs[name] = grads, jax.jit(sample)(tiny.weights)
+    ((_, logits_runs), ours), (next_runs, state_runs) = runs["runs"]
+    ((_, logits_ref), ref), (next_ref, state_ref) = runs["reference"]
+    np.testing.assert_allclose(logits_runs, logits_ref, atol=2e-4)
     for name, g in ref["linear"].items():
         big = np.abs(g).max()
         assert big > 1e-3, name
-        np.testing.assert_allclose(ours["linear"][name], g, atol=1e-4 * big, err_msg=name)
-    assert temp_runs < 0.75 * temp_ref  # measured: 2.3 MB against 5.3
+        np.testing.assert_allclose(ours["linear"][name], g, atol=2e-4 * big, err_msg=name)
+    np.testing.assert_allclose(state_runs, state_ref, rtol=2**-8, atol=1e-6)
+    np.testing.assert_allclose(next_runs, next_ref, atol=ATOL)
 
 
 def test_chunked_delta_rules_gradient_is_the_recurrences():
-    """The trainer's gradient: of the chunked delta rule (70 tokens, two chunks, from a state)
-    against the token-by-token recurrence's, for every input (q, k, v, g, beta, the state)."""
+    """The trainer's gradient: of the runs' chunked delta rule (70 tokens, two chunks, from a
+    state) against the reference's token by token, for every input (q, k, v, g, beta, the state)."""
     B, T, U, E, Y = 2, 70, 3, 8, 6
     keys = jax.random.split(jax.random.key(1), 7)
     q, k = (l2_norm_rows(jax.random.normal(key, (B, T, U, E))) for key in keys[:2])
@@ -304,27 +364,19 @@ def test_chunked_delta_rules_gradient_is_the_recurrences():
     state = jax.random.normal(keys[5], (B, U, E, Y)) * 0.3
     cotangent = jax.random.normal(keys[6], (B, T, U, Y))
 
-    def chunked(*xs):
-        o, end = qwen3_5.chunked_delta_rule(*xs)
-        return (o * cotangent).sum() + end.sum()
+    def loss(rule):  # of the outputs and the final state
+        def of(*xs):
+            o, end = rule(*xs)
+            return (o * cotangent).sum() + end.sum()
 
-    def recurrent(q, k, v, g, beta, state):
-        def token(M, x):
-            o, M = qwen3_5.recurrent_delta_rule(*x, M)
-            return M, o
-
-        end, o = jax.lax.scan(token, state, [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)])
-        return (jnp.moveaxis(o, 0, 1) * cotangent).sum() + end.sum()
+        return of
 
     xs = (q, k, v, g, beta, state)
-    ours, ref = (jax.jit(jax.grad(f, range(6)))(*xs) for f in (chunked, recurrent))
+    rules = (chunked.delta_rule, qwen3_5.delta_rule)
+    ours, ref = (jax.jit(jax.grad(loss(rule), range(6)))(*xs) for rule in rules)
     for name, a, b in zip("q k v g beta state".split(), ours, ref, strict=True):
         assert np.abs(b).max() > 0.1, name
         np.testing.assert_allclose(a, b, atol=2e-3 * np.abs(b).max(), err_msg=name)
-
-
-def l2_norm_rows(x):
-    return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -478,8 +530,8 @@ def test_other_qwen3_5_models_are_refused_by_model_type(tmp_path):
 # the state's precision from a prefill, and the order of reading and rounding in the recurrence
 def test_a_prefill_hands_on_its_state_at_the_samplers_precision(tiny, fwd):
     """With a bfloat16 state the sampler holds it so from the prompt on, not only while decoding:
-    a 40-token prefill (one chunk, whose outputs read the state before any rounding: float32's
-    logits) leaves a bfloat16-valued state in the cache, the float32 prefill's rounded once; the
+    a 40-token prefill (whose outputs read the state in float32: float32's logits) leaves a
+    bfloat16-valued state in the cache, the float32 prefill's rounded once, at its end; the
     next token decodes from it, as from the float32 prefill's state rounded here by ml_dtypes."""
     prompt = jax.random.randint(jax.random.key(5), (2, 41), 0, 300)
     pos = arange_pos(2, 41)
@@ -519,7 +571,9 @@ def test_a_decoded_tokens_output_reads_the_state_before_it_is_rounded():
     beta = 1 / (1 + np.exp(-rng.normal(size=(B, U))))
     inputs = [np.float32(x) for x in (q, k, rng.normal(size=(B, U, Y)), g, beta)]
     M = np.float32(rng.normal(size=(B, U, E, Y)).astype(ml_dtypes.bfloat16))  # as a cache holds it
-    o, new = qwen3_5.recurrent_delta_rule(*map(jnp.asarray, inputs), jnp.asarray(M, jnp.bfloat16))
+    token = (jnp.asarray(x)[:, None] for x in inputs)  # a T axis of 1: a decoded token
+    o, new = qwen3_5.delta_rule(*token, jnp.asarray(M, jnp.bfloat16))
+    o = o[:, 0]
 
     # float64: decay, write, read
     q, k, v, g, beta = (np.float64(x) for x in inputs)
