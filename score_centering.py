@@ -37,19 +37,19 @@ Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning"
 #    score; under y ~ q a token v then enters with the mass m_v = q(v) f(r_v), not q(v), so
 #    centring subtracts Σ_v m_v s_v: ℓ_t = −sg(A) · [sg(f(r_y)) log p(y) − Σ_v sg(m_v) log p(v)].
 #    By hand, TIS (f(r) = min(r, C)) at C = 1.5 on the case above: r = p/q = (.83, 1, 2), so
-#    f = (.83, 1, 1.5) and m = q f = (.5, .3, .15) = min(p, C q). Every weight here (`Correction`,
-#    the constructors below) is a band (lo, hi) for each sign of A: f(r) = r inside; outside, r
-#    clamped into it or f = 0. A's sign picks one band for every v, so a constant A of either sign
-#    still has no expected update. GSPO and TOPR weigh a whole row instead: A becomes w A.
+#    f = (.83, 1, 1.5) and m = q f = (.5, .3, .15) = min(p, C q). As a function of two masses,
+#    m(q, p) = q f(p/q) (steps 10, 11 use it). Every weight here (`Correction`) is a band (lo, hi)
+#    for each sign of A: f(r) = r inside; outside, r clamped into it or f = 0. One band for every v:
+#    centred, a constant A of either sign has no expected update. GSPO, TOPR weigh a row: A -> w A.
 # 10. Top-k. q over a 151k vocabulary at every token is too big to keep: the sampler records its
 #     head, its k most likely ids and their log q. Off the head, model q as the trainer's p
-#     scaled to the mass that q leaves there (FLOOR bounds both masses from below):
+#     scaled by the tail ratio ρ to the mass q leaves there (FLOOR bounds both from below):
 #         q̂(v) = q(v) on the head,  ρ p(v) off it,  ρ = (1 − Σ_head q) / (1 − Σ_head p).
 #     Every tail token has the same ratio p / q̂ = 1/ρ, so its mass is ρ p f(1/ρ) = α p, with
 #         α = ρ f(1/ρ) = m(ρ, 1)   (no IS: ρ; TIS: min(1, C ρ); MIS: 1 if lo ≤ 1/ρ ≤ hi, else 0).
 # 11. No tail logits are needed (m̂ = m on the head, α p off it): write Σ_tail as Σ_v − Σ_head,
 #         Σ_v sg(m̂_v) log p(v) = Σ_head m_v log p(v) + α Σ_tail sg(p(v)) log p(v)
-#             = Σ_head m_v log p(v) + α [Σ_v sg(p(v)) log p(v) − Σ_head p(v) log p(v)]
+#             = Σ_head m_v log p(v) + α [Σ_v sg(p(v)) log p(v) − Σ_head sg(p(v)) log p(v)]
 #             = Σ_head c_v log p(v) − α · entropy(p),   with c_v = sg(m_v − α p(v)).
 #     The entropy term's gradient, α Σ_v p(v) s_v, is zero (step 2): it enters detached, for
 #     the loss's value alone. With the whole vocabulary as head the α terms cancel: step 9
@@ -197,7 +197,7 @@ def loss(
     metrics["head_mass_q"], metrics["head_mass_p"] = token_mean(q_mass), token_mean(p_mass)
     metrics["tail_ratio_log"] = token_mean(jnp.log(rho))  # 0 where q̂ = p off the head
     metrics["tail_ratio_max"] = jnp.where(mask, rho, 0.0).max()
-    metrics["tail_ratio_over_2"] = token_mean(rho > 2)  # tail ratio 1/ρ under IcePop's floor 0.5
+    metrics["tail_ratio_over_2"] = token_mean(rho > 2)  # p / q̂ = 1/ρ below IcePop's floor 0.5
     # the drift a unit of A brings (step 4, in logits): m̂ − M p, M = Σ_v m̂_v; its size, Σ_v |·|
     M = m_head.sum(-1) + alpha * (1 - p_mass)
     on_head = jnp.abs(m_head - M[..., None] * jnp.exp(sg_logp_head)).sum(-1)

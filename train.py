@@ -32,7 +32,7 @@ import optax
 
 import score_centering as sc
 from lab import run
-from lab.models import INPUT_AXES, model  # the weights' input axes; the model cfg names
+from lab.models import INPUT_AXES, model  # each weight's contracted axes; model(cfg): its file
 
 TEMPERATURE = 1.0  # q's and p's (completion_logits divides by it too); log q recorded after it
 # the sampler's compute dtype (int8, fp8: bf16 holding fake-quantised values); float32: trainer's
@@ -100,7 +100,7 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False):
     """fn(weights, prompt [B, T0], pos [B, T0], key) -> dict of tokens, logq, mask [B, M] and the
     head: head_ids, head_logq [B, M, k], log q after temperature over all V (topk 0: the full log q
     [B, M, V], no ids), decoded until every row has ended its turn, or M. numerics: forward's mm
-    (quant_mm), dtype (SAMPLER_DTYPES), kv_quant, Qwen3.5's state_dtype; the model: cfg's."""
+    (quant_mm), dtype (SAMPLER_DTYPES), kv_quant, Qwen3.5's state_dtype (lab/models.py's)."""
     numerics = dict(dtype=SAMPLER_DTYPES["bf16"]) | (numerics or {})
     fwd, eos = partial(model(cfg).forward, cfg, **numerics), jnp.array(eos_ids)
 
