@@ -67,7 +67,7 @@ def bandit(center, staleness, steps=200, lr=0.5, noise=0.5, baseline="none", see
 
 def main(argv=None):
     p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    group = "r - its group's mean: here that removes drift exactly, centring changes nothing"
+    group = "r - its group's mean: one prefix for all: drift goes exactly, centring changes nothing"
     p.add_argument("--baseline", choices=["none", "group"], default="none", help="r, or " + group)
     p.add_argument("--steps", type=int, default=200, help="SGD steps")
     p.add_argument("--lr", type=float, default=0.5, help="learning rate")

@@ -74,7 +74,7 @@ def forward(
                 k, v = kv_quant(k), kv_quant(v)
             new = dict(k=k.astype(cache["k"].dtype), v=v.astype(cache["v"].dtype))
             k, v = [jax.lax.dynamic_update_slice(cache[a], new[a], (0, start, 0, 0)) for a in "kv"]
-            k, v = k.astype(dtype), v.astype(dtype)
+            k, v = k.astype(dtype), v.astype(dtype)  # the layer's whole slice, this call's in it
         q = q.reshape(*q.shape[:2], k.shape[2], -1, H)  # [B, T, K, R, H]: R query heads per kv head
         s = jnp.einsum("btkrh,bskh->bkrts", q, k, preferred_element_type=jnp.float32) * H**-0.5
         s = jnp.where(mask[:, None, None], s, -1e30)  # finite: a padding query averages, no NaN
