@@ -2,7 +2,8 @@
 rollouts of a prompt share one prefill (sampler) or one prompt pass (trainer), its cache copied to
 their rows. The same numbers as train.make_sampler and train.completion_logits up to the order of
 float32 sums (tests/test_grouped.py), and a token drawn by inverse CDF (rollouts.categorical), the
-same distribution as jax.random.categorical's draw. The drift meter's log p is here too.
+same distribution as jax.random.categorical's draw; the sampler compiled to make every bf16
+rounding it writes (ROUNDING), whatever the devices. The drift meter's log p is here too.
 B rows, T0 prompt length, M completion length, V vocabulary, k the head's size, G the group."""
 
 from collections import namedtuple
@@ -15,6 +16,10 @@ from lab import rollouts
 from lab.models import model
 
 TEMPERATURE = 1.0  # train.py's (the tests hold the two equal through their logits and records)
+# every bf16 rounding the code writes, none skipped: by default XLA may keep a bf16 value in float32
+# where its fusions allow, and a program split over devices fuses otherwise than one device's, so
+# the same rows decoded other tokens on 4 devices than on 1 (tests/test_sampler.py, *_alike)
+ROUNDING = dict(xla_allow_excess_precision=False)
 
 # the decode loop's state: step i, the logits predicting token i, KV cache, rows ended, record, key
 Decoding = namedtuple("Decoding", "i logits cache done out key")
@@ -69,7 +74,7 @@ def make_sampler(cfg, max_tokens, topk, eos_ids, numerics=None, greedy=False, gr
         out = jax.lax.while_loop(running, body, start).out
         return {name: x.swapaxes(0, 1) for name, x in out.items()}  # [B, M, ...]
 
-    return jax.jit(sample)
+    return jax.jit(sample, compiler_options=ROUNDING)
 
 
 def completion_logits(cfg, w, prompt, pos, tokens, mm=jnp.einsum, group=1):

@@ -80,21 +80,29 @@ def run(args, task, fn, center, seed, out, prefix=""):
         return jax.device_put(weights, replicated)
 
     # the drift meter, on completions drawn once from p_0's clean bf16 copy; the held-out score.
-    # rollouts.generate: the prompts left-padded to one length, `rows` a sampler call, the record
+    # rollouts.generate: the prompts left-padded to one length, n rows a sampler call, the record
     # as arrays. drift(w): the probe tokens' mean log p_0(y) − log p_w(y), about KL(p_0 ‖ p_w)
     say = partial(harness.say, prefix=prefix)  # what runs before and between the steps: its time
+
+    # rows a call on each device: all the prompts (up to 512), rounded up to a multiple of P·G;
+    # as many on each device whatever their number, so that each computes, and draws, what one
+    # device would (XLA:CPU's kernels sum a row in an order set by the rows a device holds)
+    def on_each_device(prompts):
+        return rows * math.ceil(min(len(prompts), 512) / rows)
+
     tic = time.perf_counter()
-    probe = rollouts.generate(fn.prober, copy(params), task.probe, task.pad, probe_key, data, rows)
+    n = on_each_device(task.probe) * fn.mesh.size  # more devices: copies of the first prompt
+    probe = rollouts.generate(fn.prober, copy(params), task.probe, task.pad, probe_key, data, n)
     drift = rollouts.drift_meter(fn.logp, probe, policy(params), args.micro_batch, data)
     say(f"probe: {len(task.probe)} completions of p_0, {time.perf_counter() - tic:.0f} s")
     test, golds = [p for p, _ in task.test], [gold for _, gold in task.test]
-    # rows a greedy call: the held-out set (one call up to 512), rounded up to a multiple of P·G
-    held_out = rows * math.ceil(min(len(test), 512) / rows)
+    held_out = on_each_device(test)  # rows a greedy call on each device
 
     def evaluate(params):  # greedy, clean bf16: bit-equal weights scored once (fn.greedy remembers)
-        say(f"evaluation: {len(test)} held-out prompts, greedy, {held_out} rows a call")
+        say(f"evaluation: {len(test)} held-out prompts, greedy, {held_out} rows a device a call")
         tic = time.perf_counter()
-        out = rollouts.generate(fn.greedy, copy(params), test, task.pad, None, data, held_out, say)
+        n = held_out * fn.mesh.size  # more devices: more of the set a call, or copies
+        out = rollouts.generate(fn.greedy, copy(params), test, task.pad, None, data, n, say)
         correct = np.asarray(task.reward(out["tokens"], out["mask"], golds))  # a reward a problem
         say(f"evaluation: score {correct.mean():.3f}, {time.perf_counter() - tic:.0f} s")
         return dict(drift=drift(policy(params)), acc=correct.mean(), correct=correct)
@@ -102,7 +110,7 @@ def run(args, task, fn, center, seed, out, prefix=""):
     # the rollouts: P prompts a step, each G times, in an order drawn from the seed
     order = np.random.default_rng(seed).permutation(len(task.train))
 
-    def sample(w_sampler, step):
+    def sample(w_sampler, step):  # a step's rows split over the devices: see docs/scaling.md
         first = step * args.prompts
         problems = [task.train[order[(first + i // args.group) % len(order)]] for i in range(rows)]
         prompts, golds = [p for p, _ in problems], [gold for _, gold in problems]

@@ -101,12 +101,17 @@ def main(argv, train):
     cut = {k: x if k in ("prompt", "pos", "adv") else x[:, :32] for k, x in batch.items()}
     timed("train step, M 32, a prompt a row", lambda: train_step(cut, alone))
     test = [p for p, _ in task.test]
-    held_out = rows * math.ceil(min(len(test), 512) / rows)  # as lab/run.py's evaluation
+
+    def a_call(prompts):  # rows a call, as lab/run.py's evaluation and probe: all, on each device
+        return rows * math.ceil(min(len(prompts), 512) / rows) * fn.mesh.size
+
+    held_out = a_call(test)
     calls = iter(range(100))  # a new key each call: fn.greedy remembers its inputs
     greedy = partial(rollouts.generate, fn.greedy, w_q, test, task.pad)
     timed("evaluation", lambda: greedy(jax.random.fold_in(key, next(calls)), data, held_out))
+    n = a_call(task.probe)
     probe = timed(
-        "probe", lambda: rollouts.generate(fn.prober, w_q, task.probe, task.pad, key, data, rows), 1
+        "probe", lambda: rollouts.generate(fn.prober, w_q, task.probe, task.pad, key, data, n), 1
     )
     drift = rollouts.drift_meter(fn.logp, probe, policy, args.micro_batch, data)
     timed("drift meter", lambda: drift(policy))

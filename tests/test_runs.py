@@ -272,7 +272,8 @@ def test_resume_gives_the_rows_summary_and_weights_of_a_run_never_interrupted(
         train.main(flags("2e-3") + ["--resume", str(tmp_path / "b")])  # other flags: refused
     # its own flags
     resumed = train.main(["--resume", str(tmp_path / "b"), "--save", str(tmp_path / "b_w")])
-    assert resumed == straight and straight["drift"]["4"] > 0
+    # the policy moved: drift, a mean over the probe's 8 completions, is of either sign
+    assert resumed == straight and straight["drift"]["4"] != 0
     assert not os.path.exists(tmp_path / "b" / "state.npz")  # a finished run frees its state
     rows = [[json.loads(x) for x in open(tmp_path / d / "metrics.jsonl")] for d in ("a", "b")]
     assert _strip(rows[0]) == _strip(rows[1]) and [r["step"] for r in rows[1]] == [0, 1, 2, 3, 4]
@@ -613,7 +614,9 @@ def test_a_run_says_what_it_does_before_its_first_step(tmp_path, gsm, capsys):
     before = lines[1 : next(i for i, line in enumerate(lines) if line.startswith("step "))]
     assert re.fullmatch(r"load: \d+\.\d s", before[0]), before
     assert re.fullmatch(r"probe: 3 completions of p_0, \d+ s", before[1]), before
-    assert re.fullmatch(r"evaluation: 3 held-out prompts, greedy, 8 rows a call", before[2]), before
+    assert re.fullmatch(
+        r"evaluation: 3 held-out prompts, greedy, 8 rows a device a call", before[2]
+    ), before
     assert re.fullmatch(r"evaluation: score \d\.\d{3}, \d+ s", before[3]) and len(before) == 4
 
     said = []

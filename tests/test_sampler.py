@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import qwen3
 import train
 from helpers import STOP, _prompts, write_tiny_checkpoint
-from lab import grouped, hf_checkpoint, rollouts
+from lab import grouped, hf_checkpoint, rollouts, tasks
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -79,6 +79,55 @@ def test_a_group_of_copies_prefilled_once_samples_as_rows_prefilled_each(tiny):
     sample, and record, what rows prefilled one by one do (bf16, int8 W8A8 with an int4 cache)."""
     for kind, kv in (("bf16", None), ("int8", "int4")):
         assert_a_group_prefilled_once_samples_as_each(tiny, 3, 16, kind, kv)
+
+
+def on_one_device_and_on_four():  # rows split over 1 device, and over the suite's 4
+    meshes = (Mesh(np.array(chips), ("data",)) for chips in (jax.devices()[:1], jax.devices()))
+    return [NamedSharding(mesh, PartitionSpec("data")) for mesh in meshes]
+
+
+@pytest.mark.parametrize("kind, kv", [("bf16", None), ("int8", "int4"), ("fp8", "fp8")])
+def test_one_device_and_four_sample_alike(kind, kv):
+    """The sequence task's rollouts (2 prompts x 4, a group prefilled once, at the sweep's kinds):
+    4 devices that each hold the one device's 8 rows (lab/run.py's probe) record what 1 device
+    does, to the bit; the 8 rows split over the 4 (lab/run.py's rollouts), the same tokens and log q
+    within float32 rounding (a row's sums follow the rows its device holds: measured <= 3.8e-6;
+    atol 2e-5). Without grouped.ROUNDING, log q a bf16 step or more apart (0.3 to 34) and at fp8
+    other tokens."""
+    task, (one, four) = tasks.sequence_task(0, 8, 8), on_one_device_and_on_four()
+    assert four.mesh.size == 4
+    numerics = dict(mm=train.quant_mm(kind), kv_quant=train.kv_quant(kv))
+    numerics["dtype"] = train.SAMPLER_DTYPES[kind]
+    sampler = grouped.make_sampler(task.cfg, 8, 0, task.eos, numerics, group=4)
+    w, key = train.sampler_weights(task.weights, kind), jax.random.PRNGKey(1)
+    prompts = [p for p, _ in task.train[:2] for _ in range(4)]
+    ref, each, split = (
+        rollouts.generate(sampler, w, prompts, task.pad, key, data, n)
+        for data, n in ((one, 8), (four, 32), (four, 8))
+    )
+    for name in ref:
+        np.testing.assert_array_equal(each[name], ref[name], err_msg=name)
+    np.testing.assert_array_equal(split["tokens"], ref["tokens"])
+    for name in ("logq", "head_logq"):
+        np.testing.assert_allclose(split[name], ref[name], rtol=0, atol=2e-5, err_msg=name)
+
+
+def test_one_device_and_four_score_alike():
+    """The greedy evaluation (clean bf16) of the sequence task's 128 held-out prompts, 64 rows on
+    each device a call as lab/run.py lays it out: 4 devices (one call of 4 x 64 rows: the set and
+    128 copies of its first prompt) record what 1 device does in two calls, to the bit. Seen
+    otherwise: without grouped.ROUNDING, 6 of the 128 rows decode other tokens (log q 0.31 apart
+    before they part); with it, the 64 rows of a call split over the 4 (16 a device) put log q up
+    to a bf16 step (0.125) apart."""
+    task, (one, four) = tasks.sequence_task(0, 128, 8), on_one_device_and_on_four()
+    sampler = grouped.make_sampler(task.cfg, 8, 0, task.eos, greedy=True)
+    w, test = train.sampler_weights(task.weights, "bf16"), [p for p, _ in task.test]
+    ref, each = (
+        rollouts.generate(sampler, w, test, task.pad, None, data, n)
+        for data, n in ((one, 64), (four, 256))
+    )
+    for name in ref:
+        np.testing.assert_array_equal(each[name], ref[name], err_msg=name)
 
 
 def test_mask_ends_at_the_first_eos(tiny):
