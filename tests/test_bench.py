@@ -93,7 +93,7 @@ def test_bench_train_figures_on_faked_timings():
 
 
 def test_bench_measures_a_cpus_peaks_from_the_median_rounds(monkeypatch):
-    """No spec sheet for a CPU: FLOP/s = 2 x 4096³ / the 4096 x 4096 matmul's median time, and
+    """No spec sheet for a CPU: FLOP/s = 2 x 2048³ / the 2048 x 2048 matmul's median time, and
     bytes/s = 2 x 1 GiB / the copy's median time (a copy reads its bytes and writes them)."""
     seen, made = [], []
 
@@ -112,7 +112,7 @@ def test_bench_measures_a_cpus_peaks_from_the_median_rounds(monkeypatch):
     assert not any(name in jax.devices()[0].device_kind for name in bench.PEAKS)
     flops, bandwidth, source = bench.peaks(5)
     assert seen == [(["copy", "matmul"], 5)] and source == "measured"
-    assert flops == pytest.approx(2 * 4096**3 / 0.4)  # medians: 0.4 s, 0.05 s
+    assert flops == pytest.approx(2 * 2048**3 / 0.4)  # medians: 0.4 s, 0.05 s
     assert len(made) == 1 and made[0].nbytes == 2**30  # the copy's 1 GiB
     assert bandwidth == pytest.approx(2 * 2**30 / 0.05)
 
