@@ -225,3 +225,34 @@ def test_the_arms_are_compared_problem_by_problem_at_each_evaluation_both_reache
             f.writelines(json.dumps(r) + "\n" for r in rows)
     counts = dict(both=2, centred=1, uncentred=2, neither=1)
     assert report.by_problem(folder) == {"problems": {0: {0: counts}}}
+
+
+def test_the_sgd_pilots_table_in_the_docs_recomputes_from_its_committed_metrics():
+    """docs/real_model.md's pilot table (held-out accuracy, drift, the mean kl_q_p of the 10
+    updates before each evaluation) is what docs/results/smollm2-sgd-pilot-lr1e-2's metrics.jsonl
+    holds, to the digits printed; and the pilot passes its pre-registered rule (a peak above step
+    0's, no evaluation after it more than 5 points below)."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    doc = open(os.path.join(root, "docs", "real_model.md")).read()
+    rows = open(os.path.join(root, "docs", "results", "smollm2-sgd-pilot-lr1e-2", "metrics.jsonl"))
+    rows = [json.loads(r) for r in rows]
+    acc = {r["step"]: r["acc"] for r in rows if "acc" in r}
+    drift = {r["step"]: r["drift"] for r in rows if "drift" in r}
+    kl = {
+        s: np.mean([r["kl_q_p"] for r in rows if s - 10 <= r["step"] < s and "loss" in r])
+        for s in acc
+        if s
+    }
+    steps = sorted(acc)
+    assert "| step | " + " | ".join(map(str, steps)) + " |" in doc
+    assert "| held-out accuracy | " + " | ".join(f"{acc[s]:.3f}" for s in steps) + " |" in doc
+    cells = ["0"] + [f"{drift[s]:.2g}" if drift[s] < 0.01 else f"{drift[s]:.3f}" for s in steps[1:]]
+    assert "| drift ≈ KL(p_0 ‖ p_t) | " + " | ".join(cells) + " |" in doc
+    assert (
+        "| kl_q_p, mean of the 10 updates before | | "
+        + " | ".join(f"{kl[s]:.4f}" for s in steps[1:])
+        + " |"
+        in doc
+    )
+    peak = max(steps, key=lambda s: (acc[s], -s))
+    assert acc[peak] > acc[0] and acc[peak] - min(acc[s] for s in steps if s >= peak) <= 0.05
