@@ -15,6 +15,9 @@ os.environ["XLA_FLAGS"] = (
     " --xla_cpu_parallel_codegen_split_count=1"
     " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 )
+# torch (transformers, the independent reference) on one thread: beside another busy process on 2
+# cores, its second OpenMP thread waits for a core, and a small op takes ~5 ms, not 8 µs (measured)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 import jax  # after XLA_FLAGS: jax reads them when it starts
 
 jax.config.update("jax_platforms", "cpu")
