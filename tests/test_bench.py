@@ -192,9 +192,10 @@ def test_bench_refuses_a_bad_flag_in_one_line(argv, capsys):
 
 def test_the_accelerator_script_runs_at_toy_size(gsm, tmp_path):
     """lab/accelerator.sh, the prepared first run on a GPU, end to end on the CPU with
-    ACCELERATOR_TOY: the tiny checkpoint in place of both models, every part shrunk. Each bench
-    writes its tables, the comparison trains both arms on --task arithmetic at fp8 + fp8 KV and
-    prints the verdict: a step that no longer runs fails here, not after a GPU's minutes."""
+    ACCELERATOR_TOY: the tiny checkpoint in place of both models (so benched once: the loop's one
+    pass runs the line both benches take), every part shrunk. The bench writes its tables, the
+    comparison trains both arms on --task arithmetic at fp8 + fp8 KV and prints the verdict: a
+    step that no longer runs fails here, not after a GPU's minutes."""
     out = tmp_path / "out"
     env = dict(os.environ, ACCELERATOR_TOY=gsm[0], JAX_PLATFORMS="cpu")
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # this python
@@ -204,10 +205,9 @@ def test_the_accelerator_script_runs_at_toy_size(gsm, tmp_path):
         ["bash", "lab/accelerator.sh", str(out)], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    for name in ("smollm2", "qwen3-0.6b"):
-        bench_json = json.load(open(out / f"bench-{name}.json"))
-        assert [r["sampler"] for r in bench_json["sampler"]] == ["bf16", "bf16", "int8"]
-        assert {r["train"] for r in bench_json["train"]} == {"uncentred", "centred"}
+    bench_json = json.load(open(out / "bench-smollm2.json"))
+    assert [r["sampler"] for r in bench_json["sampler"]] == ["bf16", "bf16", "int8"]
+    assert {r["train"] for r in bench_json["train"]} == {"uncentred", "centred"}
     run = json.load(open(out / "compare" / "run.json"))
     assert (run["task"], run["sampler"], run["kv_quant"], run["lr"]) == (
         "arithmetic",
