@@ -15,14 +15,17 @@ from helpers import LLAMA, tiny_argv, write_gsm8k, write_tiny_checkpoint
 from lab import bench, hf_checkpoint, tasks
 
 
-def test_tiny_llama_runs_grpo_and_saves_a_llama(tmp_path):
+def test_tiny_llama_runs_grpo_and_saves_a_llama(tmp_path, monkeypatch):
+    # a tiny random model never answers GSM8K: each completion's reward is its text's length, so
+    # that a group's rewards differ and every update moves the weights, whatever tokens are drawn
+    monkeypatch.setattr(tasks, "reward", lambda text, gold: len(text) / 100)
     ckpt = write_tiny_checkpoint(str(tmp_path / "llama"), tie=False, **LLAMA)
     gsm = ckpt, write_gsm8k(tmp_path / "gsm8k")
     m = hf_checkpoint.load(ckpt)
     assert "q_norm" not in m.weights["layers"] and "k_norm" not in m.weights["layers"]
     train.main([*tiny_argv(gsm), "--out", str(tmp_path / "run"), "--save", str(tmp_path / "s")])
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [0, 1, 2] and rows[0]["grad_norm"] > 0
+    assert [r["step"] for r in rows] == [0, 1, 2] and min(r["grad_norm"] for r in rows[:2]) > 0
     saved = hf_checkpoint.load(str(tmp_path / "s"))
     assert saved.cfg["model_type"] == "llama" and set(saved.weights["layers"]) == set(
         m.weights["layers"]
