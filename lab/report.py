@@ -3,7 +3,7 @@ wrote (DIR/ARM_seedN/metrics.jsonl), finished or not: each seed's row, the means
 with 95% t-intervals, the drift ratio uncentred / centred, lab.compare's verdict, whether the
 mismatch grew, and the curves (with the tail ratio ρ where logged); with --control, the
 pre-registered reading of the full-weight runs (docs/real_model.md) and the arms compared problem
-by problem. The docs quote the SmolLM2 runs from these files, committed without their saved states."""
+by problem. The docs quote the SmolLM2 runs from these files, committed without saved states."""
 
 import argparse
 import glob
